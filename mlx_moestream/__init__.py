@@ -1,0 +1,1 @@
+"""Stream Mixture-of-Experts weights from disk under a memory budget."""
