@@ -1,1 +1,5 @@
-"""Stream Mixture-of-Experts weights from disk under a memory budget."""
+"""Run Mixture-of-Experts models whose experts exceed memory: experts stream from disk under a budget."""
+
+from .loader import load, stats
+
+__all__ = ["load", "stats"]

@@ -1,0 +1,81 @@
+"""Memory budget for resident experts: parsing `8GB`, `512MiB`, `35%`, `auto`. No mlx."""
+
+from __future__ import annotations
+
+import os
+import re
+
+UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+# Kept free for the KV cache, activations and the OS when sizing `auto`.
+AUTO_RESERVE_FRACTION = 0.25
+AUTO_RESERVE_MIN_BYTES = 2 * 2**30
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be parsed or is too small to run the model."""
+
+
+def parse_size(text: str) -> int:
+    """`8GB` -> 8e9 bytes, `512MiB` -> 512 * 2**20 bytes, `4096` -> 4096 bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise BudgetError(f"cannot parse size '{text}' (use e.g. 8GB, 512MiB, 35%, auto)")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can give now (MemAvailable on Linux, physical memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_budget(expert_bytes: int, dense_bytes: int, memory_bytes: int) -> int:
+    """All experts if they fit; otherwise what memory leaves after dense weights and a reserve."""
+    reserve = max(AUTO_RESERVE_MIN_BYTES, int(memory_bytes * AUTO_RESERVE_FRACTION))
+    return max(0, min(expert_bytes, memory_bytes - dense_bytes - reserve))
+
+
+def resolve_budget(
+    spec: int | float | str | None,
+    expert_bytes: int,
+    dense_bytes: int,
+    memory_bytes: int | None = None,
+) -> int:
+    """Bytes for resident experts. None means all experts (a fully resident model)."""
+    if spec is None:
+        return expert_bytes
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        budget = int(spec)
+    elif isinstance(spec, str) and spec.strip().lower() == "auto":
+        budget = auto_budget(expert_bytes, dense_bytes, memory_bytes or available_memory_bytes())
+    elif isinstance(spec, str) and spec.strip().endswith("%"):
+        try:
+            share = float(spec.strip()[:-1]) / 100
+        except ValueError:
+            raise BudgetError(f"cannot parse budget '{spec}'") from None
+        budget = int(expert_bytes * share)
+    elif isinstance(spec, str):
+        budget = parse_size(spec)
+    else:
+        raise BudgetError(f"budget must be bytes, a size string, a percentage or 'auto', not {spec!r}")
+    if budget < 0:
+        raise BudgetError(f"budget must be positive, got {spec!r}")
+    return min(budget, expert_bytes)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

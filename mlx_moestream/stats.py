@@ -1,0 +1,77 @@
+"""Cache statistics per MoE layer and in total. Plain numpy, no mlx."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Stats:
+    """Counters the cache and the loader update on the hot path, as per-layer numpy arrays.
+
+    One access is one distinct (layer, expert) that one forward call needs: a decode step makes
+    top-k accesses per layer, a prefill call one per distinct routed expert.
+    """
+
+    def __init__(self, layer_names: list[str], num_experts: int, window_tokens: int = 32):
+        n = len(layer_names)
+        self.layer_names = layer_names
+        self.num_experts = num_experts
+        self.window_tokens = window_tokens
+        self.hits = np.zeros(n, np.int64)
+        self.misses = np.zeros(n, np.int64)
+        self.loads = np.zeros(n, np.int64)
+        self.evictions = np.zeros(n, np.int64)
+        self.bytes_read = np.zeros(n, np.int64)
+        self.read_seconds = np.zeros(n, np.float64)
+        self.seen = np.zeros((n, num_experts), np.bool_)
+        self.tokens = 0
+        self.windows: list[dict] = []
+        self._window_mark = (0, 0, 0)  # tokens, hits, misses at the start of the open window
+
+    def tick(self, tokens: int) -> None:
+        """Advance the token clock; closes a hit-rate window every `window_tokens` tokens."""
+        self.tokens += tokens
+        start, hits0, misses0 = self._window_mark
+        if self.tokens - start >= self.window_tokens:
+            hits, misses = int(self.hits.sum()), int(self.misses.sum())
+            self.windows.append(_window(start, self.tokens, hits - hits0, misses - misses0))
+            self._window_mark = (self.tokens, hits, misses)
+
+    def layer(self, i: int) -> dict:
+        return {
+            "name": self.layer_names[i],
+            "hits": int(self.hits[i]),
+            "misses": int(self.misses[i]),
+            "loads": int(self.loads[i]),
+            "evictions": int(self.evictions[i]),
+            "bytes_read": int(self.bytes_read[i]),
+            "read_ms": float(self.read_seconds[i] * 1e3),
+            "unique_experts": int(self.seen[i].sum()),
+            "hit_rate": _rate(self.hits[i], self.misses[i]),
+        }
+
+    def as_dict(self) -> dict:
+        hits, misses = int(self.hits.sum()), int(self.misses.sum())
+        return {
+            "tokens": self.tokens,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": _rate(hits, misses),
+            "loads": int(self.loads.sum()),
+            "evictions": int(self.evictions.sum()),
+            "bytes_read": int(self.bytes_read.sum()),
+            "read_ms": float(self.read_seconds.sum() * 1e3),
+            "unique_experts": int(self.seen.sum()),
+            "hit_rate_windows": list(self.windows),
+            "layers": [self.layer(i) for i in range(len(self.layer_names))],
+        }
+
+
+def _rate(hits, misses) -> float:
+    total = hits + misses
+    return float(hits / total) if total else 0.0
+
+
+def _window(start: int, end: int, hits: int, misses: int) -> dict:
+    return {"start_token": start, "end_token": end, "hits": hits, "misses": misses,
+            "hit_rate": _rate(hits, misses)}

@@ -1,0 +1,335 @@
+"""The streaming MoE forward pass: experts live in slot pools filled from the store on demand.
+
+Each SwitchGLU / SwitchMLP of an mlx-lm model is wrapped by `StreamingExperts`. The wrapped
+module keeps its own code (activation, biases, quantization, sorting) but its expert tensors
+are replaced by a pool of `num_slots` slots shared by every MoE layer with the same expert
+shapes; the routed expert ids are remapped to slot ids before the original module runs.
+
+Slots are filled by reading from the files straight into the pool's memory. That is safe
+because a layer's routing depends on every earlier computation that could still read a slot
+(the previous layers of this token, and every layer of the previous token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+from .budget import BudgetError, format_bytes
+from .cache import ExpertCache
+from .stats import Stats
+from .store import ExpertStore, StoreError
+
+EXPERT_MODULES = (SwitchGLU, SwitchMLP)
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk", "top_k")
+
+
+@dataclass
+class MoELayer:
+    path: str  # module path, e.g. model.layers.3.mlp.switch_mlp
+    module: nn.Module
+    num_experts: int
+    # Per-expert parameter name (`gate_proj.weight`, ...) -> (shape, dtype, bytes) of one expert.
+    specs: dict[str, tuple[tuple[int, ...], mx.Dtype, int]]
+
+    @property
+    def signature(self) -> tuple:
+        return tuple((n, shape, str(dtype)) for n, (shape, dtype, _) in sorted(self.specs.items()))
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.specs.values())
+
+
+@dataclass
+class ModelPlan:
+    """What streaming a model involves, read from the lazily loaded model without any I/O."""
+
+    model_type: str
+    top_k: int
+    layers: list[MoELayer]
+    dense_bytes: int
+    num_layers: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_layers = len(self.layers)
+
+    @property
+    def num_experts(self) -> int:
+        return max(l.num_experts for l in self.layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of all experts of all layers."""
+        return sum(l.expert_bytes * l.num_experts for l in self.layers)
+
+    def pools(self) -> list[list[int]]:
+        """Layer indices grouped by identical expert shapes: each group shares one slot pool."""
+        groups: dict[tuple, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            groups.setdefault(layer.signature, []).append(i)
+        return list(groups.values())
+
+    def pool_slots(self, budget_bytes: int) -> list[int]:
+        """Slots per pool: the budget is split in proportion to each pool's expert bytes."""
+        total = self.expert_bytes
+        slots = []
+        for group in self.pools():
+            layer = self.layers[group[0]]
+            share = layer.expert_bytes * layer.num_experts * len(group) / total
+            n = int(budget_bytes * share) // layer.expert_bytes
+            slots.append(min(n, layer.num_experts * len(group)))
+        return slots
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The smallest budget that gives every pool room for one token's top-k experts."""
+        total = self.expert_bytes
+        need = 0
+        for group in self.pools():
+            layer = self.layers[group[0]]
+            share = layer.expert_bytes * layer.num_experts * len(group) / total
+            need = max(need, int(np.ceil(self.top_k * layer.expert_bytes / share)))
+        return need
+
+    def describe(self) -> dict:
+        first = self.layers[0]
+        return {
+            "model_type": self.model_type,
+            "moe_layers": self.num_layers,
+            "experts": self.num_experts,
+            "top_k": self.top_k,
+            "expert_bytes": first.expert_bytes,
+            "all_expert_bytes": self.expert_bytes,
+            "dense_bytes": self.dense_bytes,
+            "min_budget_bytes": self.min_budget_bytes,
+        }
+
+
+def plan_model(model: nn.Module, config: dict) -> ModelPlan:
+    """Find the expert modules of an mlx-lm model and measure experts vs. dense weights."""
+    model_type = config.get("model_type", "?")
+    layers = []
+    for path, module in model.named_modules():
+        if isinstance(module, EXPERT_MODULES):
+            proj = module.gate_proj if isinstance(module, SwitchGLU) else module.fc1
+            num_experts = proj.num_experts
+            specs = {
+                n: (a.shape[1:], a.dtype, a.nbytes // num_experts)
+                for n, a in tree_flatten(module.parameters())
+                if a.ndim and a.shape[0] == num_experts
+            }
+            layers.append(MoELayer(path, module, num_experts, specs))
+    if not layers:
+        raise ValueError(
+            f"model_type '{model_type}' has no SwitchGLU/SwitchMLP expert layers: "
+            "not a Mixture-of-Experts model"
+        )
+    layers.sort(key=lambda l: _path_key(l.path))
+    total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    dense = total - sum(l.expert_bytes * l.num_experts for l in layers)
+    return ModelPlan(model_type, _top_k(config, model_type), layers, dense)
+
+
+def _path_key(path: str) -> list:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")]
+
+
+def _top_k(config: dict, model_type: str) -> int:
+    for source in (config, config.get("text_config", {})):
+        for key in TOP_K_KEYS:
+            if isinstance(source.get(key), int):
+                return source[key]
+    raise ValueError(f"model_type '{model_type}': config.json names no experts-per-token (top-k)")
+
+
+class SlotPool:
+    """Persistent per-tensor buffers [num_slots, ...] that layers with one expert shape share."""
+
+    def __init__(self, like: MoELayer, num_slots: int):
+        self.num_slots = num_slots
+        self.arrays: dict[str, mx.array] = {}
+        self.views: dict[str, np.ndarray] = {}
+        for name, (shape, dtype, _) in like.specs.items():
+            array = mx.zeros((num_slots, *shape), dtype=dtype)
+            raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+            mx.eval(array, raw)
+            self.arrays[name] = array
+            self.views[name] = np.array(raw, copy=False)  # writes land in `array`'s memory
+
+    def slot(self, slot: int) -> dict[str, np.ndarray]:
+        return {name: view[slot] for name, view in self.views.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class StreamingExperts(nn.Module):
+    """Drop-in replacement for a SwitchGLU / SwitchMLP whose experts are streamed."""
+
+    def __init__(self, inner: nn.Module, layer: int, runtime: "Runtime"):
+        super().__init__()
+        # Plain attributes, not children: the pool must not appear among the model's parameters.
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "runtime", runtime)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        ids = np.array(indices)  # host sync: the routing decides what must be read
+        slots = self.runtime.route(self.layer, ids)
+        if slots is not None:
+            return self.inner(x, mx.array(slots))
+        return self._rounds(x, ids)
+
+    def _rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
+        """More distinct experts than the layer may hold: compute them a slot-pool at a time."""
+        k, dims = ids.shape[-1], x.shape[-1]
+        flat = self.runtime.valid_ids(self.layer, ids.reshape(-1))
+        order = np.argsort(flat, kind="stable")
+        sorted_ids = flat[order]
+        experts = np.unique(sorted_ids)
+        cap = self.runtime.capacity(self.layer)
+        rows = x.reshape(-1, dims)
+        outs, done = [], 0
+        for start in range(0, len(experts), cap):
+            chunk = experts[start : start + cap]
+            end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
+            pos = order[done:end]
+            slots = self.runtime.request(self.layer, chunk, flat[pos])
+            y = self.inner(rows[mx.array(pos // k)], mx.array(slots[:, None]))[:, 0]
+            mx.eval(y)  # the next chunk may overwrite these slots
+            outs.append(y)
+            done = end
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        y = mx.concatenate(outs)[mx.array(inverse)]
+        return y.reshape(*ids.shape, y.shape[-1])
+
+
+class Runtime:
+    """Owns the store, the slot pools, their caches and the statistics of one model."""
+
+    def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int, policy: str = "lru",
+                 window_tokens: int = 32):
+        if budget_bytes < plan.min_budget_bytes:
+            raise BudgetError(
+                f"budget {format_bytes(budget_bytes)} is below the minimum "
+                f"{format_bytes(plan.min_budget_bytes)} ({plan.min_budget_bytes} bytes): one "
+                f"token's top-{plan.top_k} experts must fit"
+            )
+        self.plan = plan
+        self.store = store
+        self.budget_bytes = budget_bytes
+        self.policy = policy
+        self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
+        self.store_layer = [
+            store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
+                            l.num_experts)
+            for l in plan.layers
+        ]
+        self.pools: list[SlotPool] = []
+        self.caches: list[ExpertCache] = []
+        self.pool_of: list[int] = [0] * plan.num_layers
+        for group, slots in zip(plan.pools(), plan.pool_slots(budget_bytes)):
+            self.pools.append(SlotPool(plan.layers[group[0]], slots))
+            self.caches.append(ExpertCache(slots, group, plan.num_experts, self.stats, policy))
+            for i in group:
+                self.pool_of[i] = len(self.pools) - 1
+
+    def attach(self, model: nn.Module) -> None:
+        """Swap every expert module of `model` for its streaming version (drops lazy experts)."""
+        for i, layer in enumerate(self.plan.layers):
+            pool = self.pools[self.pool_of[i]]
+            for name, array in pool.arrays.items():
+                _set_path(layer.module, name, array)
+            parent_path, attr = layer.path.rsplit(".", 1)
+            setattr(_get_path(model, parent_path), attr, StreamingExperts(layer.module, i, self))
+        model.moestream = self
+
+    def capacity(self, layer: int) -> int:
+        return self.caches[self.pool_of[layer]].capacity(layer)
+
+    def valid_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Masked ids (-1, or beyond the expert count) point at a routed expert: no load for them."""
+        num = self.plan.layers[layer].num_experts
+        valid = (ids >= 0) & (ids < num)
+        if valid.all():
+            return ids
+        fill = ids[valid][0] if valid.any() else 0
+        return np.where(valid, ids, fill)
+
+    def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
+        """Slots for routed `ids`, loading misses; None when the call needs more than fit."""
+        if layer == 0:
+            tokens = ids.size // ids.shape[-1]
+            self.stats.tick(tokens)
+            for cache in self.caches:
+                cache.tick(tokens)
+        ids = self.valid_ids(layer, ids)
+        experts = np.unique(ids)
+        if len(experts) > self.capacity(layer):
+            return None
+        return self.request(layer, experts, ids)
+
+    def request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`)."""
+        cache = self.caches[self.pool_of[layer]]
+        loads = cache.request(layer, experts)
+        if loads:
+            self._load(layer, cache, loads)
+        return cache.slot_of[layer][ids]
+
+    def _load(self, layer: int, cache: ExpertCache, loads: list[tuple[int, int]]) -> None:
+        pool = self.pools[self.pool_of[layer]]
+        store_layer = self.store_layer[layer]
+        stats = self.stats
+        for n, (expert, slot) in enumerate(loads):
+            start = time.perf_counter()
+            try:
+                nbytes = self.store.read_expert(store_layer, expert, pool.slot(slot))
+            except StoreError:
+                for failed, _ in loads[n:]:
+                    cache.discard(layer, failed)
+                raise
+            stats.read_seconds[layer] += time.perf_counter() - start
+            stats.bytes_read[layer] += nbytes
+            stats.loads[layer] += 1
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(c.resident * self.plan.layers[g[0]].expert_bytes
+                   for c, g in zip(self.caches, self.plan.pools()))
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def stats_dict(self) -> dict:
+        out = self.stats.as_dict()
+        out.update(
+            budget_bytes=self.budget_bytes,
+            resident_bytes=self.resident_bytes,
+            slot_bytes=self.slot_bytes,
+            slots=sum(p.num_slots for p in self.pools),
+            policy=self.policy,
+        )
+        return out
+
+
+def _get_path(root: nn.Module, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def _set_path(root: nn.Module, path: str, value) -> None:
+    parent, attr = path.rsplit(".", 1)
+    setattr(_get_path(root, parent), attr, value)
