@@ -1,0 +1,33 @@
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mlx_moestream.testing import make_tiny_moe
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Build (once per session) a tiny model directory; same arguments give the same directory."""
+    root = tmp_path_factory.mktemp("models")
+    built: dict[tuple, Path] = {}
+
+    def build(arch: str = "qwen3_moe", **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = make_tiny_moe(root / f"m{len(built)}-{arch}", arch, **kwargs)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture
+def model_copy(tiny_model, tmp_path):
+    """A private copy of a tiny model, safe to corrupt."""
+
+    def copy(arch: str = "qwen3_moe", **kwargs) -> Path:
+        dst = tmp_path / "copy"
+        shutil.copytree(tiny_model(arch, **kwargs), dst)
+        return dst
+
+    return copy

@@ -1,0 +1,106 @@
+"""Bad model files and budgets fail with an error that names the problem."""
+
+import json
+import struct
+
+import pytest
+
+import mlx_moestream
+from mlx_moestream.budget import BudgetError
+from mlx_moestream.loader import ModelError
+from mlx_moestream.store import StoreError
+
+
+def test_truncated_shard_names_the_file_and_tensor(model_copy):
+    path = model_copy()
+    shard = path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(StoreError, match=r"model\.safetensors: truncated: tensor '.*' ends at byte"):
+        mlx_moestream.load(path)
+
+
+def test_corrupt_header_json_names_the_file(model_copy):
+    path = model_copy()
+    shard = path / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"!!!!"
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"model\.safetensors: corrupt safetensors header JSON"):
+        mlx_moestream.load(path)
+
+
+def test_header_longer_than_the_file_is_reported(model_copy):
+    path = model_copy()
+    shard = path / "model.safetensors"
+    shard.write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(StoreError, match="header claims 1000000000 bytes"):
+        mlx_moestream.load(path)
+
+
+def _drop_tensor(path, name):
+    from safetensors.numpy import load_file, save_file
+
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "mlx"})
+
+
+def test_missing_stacked_expert_tensor_is_named(model_copy):
+    path = model_copy()
+    _drop_tensor(path, "model.layers.1.mlp.switch_mlp.up_proj.weight")
+    with pytest.raises(ModelError, match=r"model\.layers\.1\.mlp\.switch_mlp\.up_proj\.weight"):
+        mlx_moestream.load(path)
+
+
+def test_missing_per_expert_tensor_is_named(model_copy):
+    path = model_copy("mixtral", layout="per_expert")
+    _drop_tensor(path, "model.layers.0.block_sparse_moe.experts.5.w2.weight")
+    with pytest.raises(ModelError, match=r"experts\.5\.w2\.weight"):
+        mlx_moestream.load(path)
+
+
+def test_unknown_architecture_is_named(model_copy):
+    path = model_copy()
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "no_such_moe"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="no_such_moe"):
+        mlx_moestream.load(path)
+
+
+def test_dense_model_is_rejected_as_not_moe(tmp_path):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1,
+                           intermediate_size=64, num_attention_heads=2, rms_norm_eps=1e-5,
+                           vocab_size=512, num_key_value_heads=2)
+    model = llama.Model(args)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+         "num_attention_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
+         "num_key_value_heads": 2}))
+    from mlx_moestream.testing import make_tokenizer
+
+    make_tokenizer(tmp_path)
+    with pytest.raises(ModelError, match="not a Mixture-of-Experts model"):
+        mlx_moestream.load(tmp_path)
+
+
+def test_missing_model_directory_or_repo_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="not a local directory"):
+        mlx_moestream.load(str(tmp_path / "nope"))
+
+
+def test_budget_below_minimum_states_the_minimum(tiny_model):
+    with pytest.raises(BudgetError, match=r"below the minimum 48\.0 KiB \(49152 bytes\)"):
+        mlx_moestream.load(tiny_model("qwen3_moe"), budget=49151)
+
+
+def test_unknown_policy_is_rejected(tiny_model):
+    with pytest.raises(ValueError, match="unknown policy 'mru'"):
+        mlx_moestream.load(tiny_model("qwen3_moe"), policy="mru")

@@ -1,0 +1,36 @@
+import pytest
+
+from mlx_moestream.budget import BudgetError, auto_budget, parse_size, resolve_budget
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("8GB", 8 * 10**9), ("512MiB", 512 * 2**20), ("1.5GiB", int(1.5 * GiB)), ("4096", 4096),
+    ("64 kb", 64_000),
+])
+def test_sizes_parse_with_decimal_and_binary_units(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8 parsecs", "", "GB", "-3GB"])
+def test_unparseable_sizes_are_rejected(text):
+    with pytest.raises(BudgetError, match="cannot parse"):
+        parse_size(text)
+
+
+def test_percentage_is_a_share_of_all_expert_bytes():
+    assert resolve_budget("35%", expert_bytes=1000, dense_bytes=0) == 350
+
+
+def test_budget_is_capped_at_all_expert_bytes():
+    assert resolve_budget("8GB", expert_bytes=1000, dense_bytes=0) == 1000
+
+
+def test_auto_keeps_all_experts_when_they_fit():
+    assert auto_budget(expert_bytes=4 * GiB, dense_bytes=GiB, memory_bytes=24 * GiB) == 4 * GiB
+
+
+def test_auto_leaves_dense_weights_and_a_reserve_when_experts_do_not_fit():
+    budget = auto_budget(expert_bytes=100 * GiB, dense_bytes=4 * GiB, memory_bytes=24 * GiB)
+    assert budget == 24 * GiB - 4 * GiB - 6 * GiB

@@ -1,0 +1,59 @@
+"""The CLI as a user runs it: a real process."""
+
+import json
+import os
+import subprocess
+import sys
+
+CLI = [sys.executable, "-m", "mlx_moestream.cli"]
+
+
+def run(*args, env=None):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_chat_with_prompt_prints_text_and_statistics(tiny_model):
+    out = run("chat", "--model", tiny_model("qwen3_moe"), "--prompt", "Hello there",
+              "--max-tokens", 16, "--budget", "25%")
+    assert out.returncode == 0, out.stderr
+    text, _, table = out.stdout.partition("[")
+    assert text.strip()
+    assert "16 generated" in table
+    assert "hit rate" in table and "evictions" in table
+
+
+def test_inspect_prints_the_minimum_budget(tiny_model):
+    out = run("inspect", "--model", tiny_model("qwen3_moe"))
+    assert out.returncode == 0, out.stderr
+    assert "minimum budget: 48.0 KiB (49152 bytes)" in out.stdout
+
+
+def test_inspect_json_describes_the_model(tiny_model):
+    out = run("inspect", "--model", tiny_model("mixtral"), "--json")
+    info = json.loads(out.stdout)
+    assert info["model_type"] == "mixtral"
+    assert (info["moe_layers"], info["experts"], info["top_k"]) == (2, 8, 2)
+
+
+def test_budget_below_minimum_is_a_clear_error_without_traceback(tiny_model):
+    out = run("chat", "--model", tiny_model("qwen3_moe"), "--prompt", "hi", "--budget", "1KiB")
+    assert out.returncode != 0
+    assert "below the minimum 48.0 KiB" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_corrupt_model_is_a_clear_error_without_traceback(model_copy):
+    path = model_copy()
+    (path / "model.safetensors").write_bytes(b"\x01\x00")
+    out = run("inspect", "--model", path)
+    assert out.returncode != 0
+    assert "truncated safetensors file" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
+    proc = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4"],
+                          input="hello\nagain\n\n", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("4 generated") == 2

@@ -1,0 +1,128 @@
+"""The streaming forward pass is exact: logits equal stock mlx-lm's bit for bit."""
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_moestream
+from mlx_moestream.loader import load_lazy
+from mlx_moestream.testing import ARCHITECTURES
+
+PROMPT = mx.array(np.random.default_rng(0).integers(3, 500, size=(1, 64)))
+BUDGETS = ["min", "25%", "50%", "100%"]
+
+
+def greedy_logits(model, decode_tokens: int = 32) -> list[mx.array]:
+    """Logits of a 64-token prefill and of each greedy decode step."""
+    cache = make_prompt_cache(model)
+    logits = [model(PROMPT, cache=cache)]
+    token = mx.argmax(logits[-1][:, -1], axis=-1)
+    for _ in range(decode_tokens):
+        logits.append(model(token[:, None], cache=cache))
+        token = mx.argmax(logits[-1][:, -1], axis=-1)
+    mx.eval(logits)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            model, _ = mlx_lm.load(str(path))
+            cache[path] = greedy_logits(model)
+        return cache[path]
+
+    return get
+
+
+def min_budget(path) -> int:
+    return load_lazy(path)[-1].min_budget_bytes
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_logits_match_stock_mlx_lm_bit_for_bit(tiny_model, reference, arch, bits, budget):
+    path = tiny_model(arch, bits=bits)
+    model, _ = mlx_moestream.load(path, budget=min_budget(path) if budget == "min" else budget)
+    streamed = greedy_logits(model)
+    expected = reference(path)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(streamed, expected))
+    stats = mlx_moestream.stats(model)
+    assert stats["resident_bytes"] <= stats["budget_bytes"]
+    if budget != "100%":
+        assert stats["evictions"] > 0
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_per_expert_hugging_face_layout_streams_exactly(tiny_model, reference, arch):
+    stacked = tiny_model(arch)
+    model, _ = mlx_moestream.load(tiny_model(arch, layout="per_expert"), budget="25%")
+    assert all(mx.array_equal(a, b).item()
+               for a, b in zip(greedy_logits(model), reference(stacked)))
+
+
+def test_sharded_checkpoint_streams_exactly(tiny_model, reference):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", shards=3), budget="25%")
+    assert all(mx.array_equal(a, b).item()
+               for a, b in zip(greedy_logits(model), reference(tiny_model("qwen3_moe"))))
+
+
+def test_long_prefill_at_minimum_budget_computes_in_rounds(tiny_model):
+    path = tiny_model("qwen3_moe")
+    model, _ = mlx_moestream.load(path, budget=min_budget(path))
+    cache = make_prompt_cache(model)
+    mx.eval(model(PROMPT, cache=cache))
+    stats = mlx_moestream.stats(model)
+    # 8 experts routed by a 64-token prompt but only 2 slots: every layer loaded all 8.
+    assert stats["slots"] == 2
+    assert all(layer["loads"] == 8 for layer in stats["layers"])
+
+
+def test_generate_and_stream_generate_work_unchanged(tiny_model):
+    path = tiny_model("mixtral")
+    model, tokenizer = mlx_moestream.load(path, budget="50%")
+    ref_model, _ = mlx_lm.load(str(path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Ciao"}],
+                                           add_generation_prompt=True)
+    text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=12)
+    assert text == mlx_lm.generate(ref_model, tokenizer, prompt, max_tokens=12)
+    streamed = "".join(r.text for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=12))
+    assert streamed == text
+
+
+def test_stats_report_totals_and_layers(tiny_model):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%", window_tokens=16)
+    greedy_logits(model)
+    stats = mlx_moestream.stats(model)
+    for key in ("hits", "misses", "loads", "evictions", "bytes_read", "resident_bytes",
+                "budget_bytes", "read_ms", "hit_rate_windows"):
+        assert key in stats
+    assert stats["tokens"] == 64 + 32
+    assert stats["misses"] == stats["loads"]
+    assert stats["hits"] == sum(layer["hits"] for layer in stats["layers"])
+    assert len(stats["layers"]) == 2
+    assert all(0 < layer["unique_experts"] <= 8 for layer in stats["layers"])
+    assert [w["end_token"] for w in stats["hit_rate_windows"]][:3] == [64, 80, 96]
+    assert stats["bytes_read"] == stats["loads"] * 24576
+
+
+def test_masked_expert_ids_do_not_trigger_loads(tiny_model):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="100%")
+    experts = model.model.layers[0].mlp.switch_mlp
+    x = mx.ones((1, 3, 64))
+    ids = mx.array([[[1, -1], [1, 8], [-1, 1]]])
+    mx.eval(experts(x, ids))
+    assert mlx_moestream.stats(model)["layers"][0]["loads"] == 1
+
+
+def test_experts_are_not_model_parameters(tiny_model):
+    from mlx.utils import tree_flatten
+
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="25%")
+    names = [n for n, _ in tree_flatten(model.parameters())]
+    assert not any("switch_mlp" in n for n in names)
