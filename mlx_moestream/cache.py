@@ -1,4 +1,4 @@
-"""Residency of experts in a slot pool, and the eviction policies that choose victims.
+"""Residency of experts in a slot pool; the eviction policies live in `policies`.
 
 Plain Python and numpy (no mlx): the live runtime, trace replay and any other backend all use
 these same classes. A key is `layer * num_experts + expert`.
@@ -6,84 +6,64 @@ these same classes. A key is `layer * num_experts + expert`.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Iterable
+from functools import partial
+from typing import Callable, Sequence
 
 import numpy as np
 
+from .policies import DEFAULT_POLICY, LRU, POLICIES, Policy, make_policy  # noqa: F401
 from .stats import Stats
 
 
-class Policy:
-    """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
+def split_slots(
+    total_slots: int, weights: Sequence[float], minimum: int, maximum: int | None = None
+) -> list[int]:
+    """Slots per layer, proportional to `weights`, each in [minimum, maximum], summing to at most
+    `total_slots` (exactly, unless every layer is at `maximum`).
 
-    Calls: `access(keys)` for resident keys one call used (hits), `insert(key)` when a key
-    becomes resident, `victim(protected)` to remove and return the key to evict next (never one
-    in `protected`), `remove(key)` when a key leaves without eviction, `tick(tokens)` to advance time.
+    Equal weights give a uniform partition; a profile (each layer's working-set size, routing
+    entropy) gives more slots to the layers that spread over more experts. The ideal share of a
+    layer is clip(scale * weight, minimum, maximum) with `scale` found so the shares fill the
+    budget; shares are rounded down and the slots left over go to the largest remainders.
     """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-
-    def access(self, keys: Iterable[int]) -> None:
-        raise NotImplementedError
-
-    def insert(self, key: int) -> None:
-        raise NotImplementedError
-
-    def victim(self, protected: set[int]) -> int:
-        raise NotImplementedError
-
-    def remove(self, key: int) -> None:
-        raise NotImplementedError
-
-    def tick(self, tokens: int) -> None:
-        pass
-
-
-class LRU(Policy):
-    """Evicts the least recently used key."""
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self.order: OrderedDict[int, None] = OrderedDict()
-
-    def access(self, keys: Iterable[int]) -> None:
-        move = self.order.move_to_end
-        for key in keys:
-            move(key)
-
-    def insert(self, key: int) -> None:
-        self.order[key] = None
-
-    def victim(self, protected: set[int]) -> int:
-        for key in self.order:
-            if key not in protected:
-                del self.order[key]
-                return key
-        raise RuntimeError("every resident expert is in use by the current call")
-
-    def remove(self, key: int) -> None:
-        del self.order[key]
-
-
-POLICIES: dict[str, type[Policy]] = {"lru": LRU}
-
-
-def make_policy(name: str, capacity: int) -> Policy:
-    try:
-        return POLICIES[name](capacity)
-    except KeyError:
+    w = np.asarray(weights, np.float64)
+    n = len(w)
+    if n == 0 or not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError("weights must be one finite, non-negative number per layer")
+    if maximum is not None and maximum < minimum:
+        raise ValueError(f"maximum {maximum} is below minimum {minimum}")
+    if total_slots < n * minimum:
         raise ValueError(
-            f"unknown policy '{name}'; choose one of: {', '.join(sorted(POLICIES))}"
-        ) from None
+            f"{total_slots} slots cannot give each of {n} layers its minimum of {minimum}"
+        )
+    if w.sum() == 0:
+        w = np.ones(n)
+    high = np.inf if maximum is None else maximum
+
+    def shares(scale: float) -> np.ndarray:
+        return np.clip(scale * w, minimum, high)
+
+    most = np.where(w > 0, high, minimum)
+    if most.sum() <= total_slots:  # every layer that can grow is at `maximum`
+        return most.astype(np.int64).tolist()
+    lo, hi = 0.0, total_slots / w[w > 0].min()  # shares(lo) sum below the budget, hi's not
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if shares(mid).sum() < total_slots else (lo, mid)
+    ideal = shares(lo)
+    slots = np.floor(ideal).astype(np.int64)
+    spare = int(total_slots - slots.sum())
+    order = np.argsort(slots - ideal, kind="stable")  # largest remainder first
+    slots[order[:spare]] += 1
+    return slots.tolist()
 
 
 class ExpertCache:
     """Maps (layer, expert) to slots of one pool of `num_slots`; evicts by policy when full.
 
-    With one policy for all layers the budget is global; with `per_layer` each layer owns a
-    policy and at most `layer_slots[layer]` slots.
+    With one policy for all layers the budget is global; with `layer_slots` (see `split_slots`)
+    each layer owns a policy and at most `layer_slots[layer]` slots. `policy` is a name from
+    `POLICIES` or a factory taking the capacity (replay passes a `Belady` that knows the future).
     """
 
     def __init__(
@@ -92,7 +72,7 @@ class ExpertCache:
         layers: list[int],
         num_experts: int,
         stats: Stats,
-        policy: str = "lru",
+        policy: str | Callable[[int], Policy] = DEFAULT_POLICY,
         layer_slots: list[int] | None = None,
     ):
         self.num_slots = num_slots
@@ -100,15 +80,20 @@ class ExpertCache:
         self.stats = stats
         num_layers = len(stats.layer_names)
         self.slot_of = np.full((num_layers, num_experts), -1, np.int32)
+        self.key_of = np.arange(num_layers * num_experts).reshape(num_layers, num_experts)
         self.key_of_slot = np.full(num_slots, -1, np.int64)
         self.free = list(range(num_slots - 1, -1, -1))
         self.count = np.zeros(num_layers, np.int64)
+        if isinstance(policy, str):
+            new_policy = partial(make_policy, policy, num_keys=num_layers * num_experts)
+        else:
+            new_policy = policy
         if layer_slots is None:
-            shared = make_policy(policy, num_slots)
+            shared = new_policy(num_slots)
             self.policy_of = {layer: shared for layer in layers}
             self.limit = {layer: num_slots for layer in layers}
         else:
-            self.policy_of = {l: make_policy(policy, n) for l, n in zip(layers, layer_slots)}
+            self.policy_of = {l: new_policy(n) for l, n in zip(layers, layer_slots)}
             self.limit = dict(zip(layers, layer_slots))
         self.policies = list({id(p): p for p in self.policy_of.values()}.values())
 
@@ -121,28 +106,26 @@ class ExpertCache:
 
         Returns the (expert, slot) pairs the caller must load before computing.
         """
-        slots = self.slot_of[layer, experts]
+        slots = self.slot_of[layer][experts]
+        stats = self.stats
+        policy = self.policy_of[layer]
+        keys = self.key_of[layer][experts]
+        if min(slots.tolist(), default=0) >= 0:  # all resident: the hot path
+            stats.hits[layer] += len(experts)
+            policy.access(keys)
+            return []
         missing = slots < 0
         n_miss = int(missing.sum())
-        stats = self.stats
         stats.hits[layer] += len(experts) - n_miss
         stats.seen[layer, experts] = True
-        base = layer * self.num_experts
-        policy = self.policy_of[layer]
         if n_miss < len(experts):
-            policy.access((experts[~missing] + base).tolist())
-        if not n_miss:
-            return []
+            policy.access(keys[~missing])
         stats.misses[layer] += n_miss
-        protected = set((experts + base).tolist())
+        protected = set(keys.tolist())
         loads = []
-        for expert in experts[missing].tolist():
+        for expert, key in zip(experts[missing].tolist(), keys[missing].tolist()):
             slot = self._take_slot(layer, policy, protected)
-            key = base + expert
-            self.slot_of[layer, expert] = slot
-            self.key_of_slot[slot] = key
-            self.count[layer] += 1
-            policy.insert(key)
+            self._place(layer, expert, key, slot)
             loads.append((expert, slot))
         return loads
 
@@ -169,6 +152,25 @@ class ExpertCache:
     def tick(self, tokens: int) -> None:
         for policy in self.policies:
             policy.tick(tokens)
+
+    def admit(self, layer: int, expert: int) -> int | None:
+        """Pre-warm: give an expert a free slot (never evicting); None when none is left."""
+        if self.slot_of[layer, expert] >= 0 or not self.free or self.count[layer] >= self.limit[layer]:
+            return None
+        slot = self.free.pop()
+        self._place(layer, expert, int(self.key_of[layer, expert]), slot)
+        return slot
+
+    def _place(self, layer: int, expert: int, key: int, slot: int) -> None:
+        self.slot_of[layer, expert] = slot
+        self.key_of_slot[slot] = key
+        self.count[layer] += 1
+        self.policy_of[layer].insert(key)
+
+    def seed(self, counts: dict[int, float]) -> None:
+        """Start the policies' frequency state from a saved activation profile `{key: count}`."""
+        for policy in self.policies:
+            policy.seed(counts)
 
     @property
     def resident(self) -> int:

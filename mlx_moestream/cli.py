@@ -8,6 +8,9 @@ import sys
 import click
 
 from .budget import BudgetError, format_bytes, resolve_budget
+from .policies import DEFAULT_POLICY, POLICIES
+
+LIVE_POLICIES = [name for name in POLICIES if name != "belady"]  # belady needs the future
 
 
 class BudgetType(click.ParamType):
@@ -43,24 +46,41 @@ def main() -> None:
 @model_option
 @click.option("--budget", "-b", type=BudgetType(), default="auto", show_default=True,
               help="Memory for resident experts: bytes, 8GB, 512MiB, 35% of experts, auto.")
-@click.option("--policy", "-p", default="lru", show_default=True, help="Expert cache policy.")
+@click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
+              help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}.")
 @click.option("--prompt", help="Answer this one prompt and exit (non-interactive).")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
               help="Sampling temperature; 0 is greedy.")
-def chat(model, budget, policy, prompt, max_tokens, temp):
+@click.option("--profile", "profiles", type=(click.Choice(["save", "load"]), str), multiple=True,
+              metavar="save|load NAME",
+              help="load NAME: pre-warm from a saved profile; save NAME: save this session's "
+                   "profile on exit. Both may be given.")
+@click.option("--prewarm-share", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+              help="Share of the budget a loaded profile pre-warms.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+              help="Record the routing to this .npz trace on exit.")
+def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_share, trace_path):
     """Chat with a model; tokens stream as generated, cache statistics follow each answer."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from .loader import load, stats
+    from . import loader
 
     if model is None:
         raise click.UsageError(MODEL_REQUIRED)
+    to_load = [name for action, name in profiles if action == "load"]
+    to_save = [name for action, name in profiles if action == "save"]
+    if len(to_load) > 1:
+        raise click.UsageError("--profile load may be given once")
     try:
-        lm, tokenizer = load(model, budget=budget, policy=policy)
+        lm, tokenizer = loader.load(model, budget=budget, policy=policy)
+        if to_load:
+            loader.prewarm(lm, to_load[0], prewarm_share, progress=_progress)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
+    if trace_path:
+        loader.start_trace(lm)
     sampler = make_sampler(temp=temp)
     history: list[dict] = []
 
@@ -73,24 +93,41 @@ def chat(model, budget, policy, prompt, max_tokens, temp):
             reply.append(response.text)
         click.echo()
         history.append({"role": "assistant", "content": "".join(reply)})
-        click.echo(format_stats(stats(lm), response), err=False)
+        click.echo(format_stats(loader.stats(lm), response))
 
-    if prompt is not None:
-        answer(prompt)
-        return
+    try:
+        if prompt is not None:
+            answer(prompt)
+        else:
+            _interactive(answer)
+    except KeyboardInterrupt:
+        click.echo("\n[interrupted]")
+    finally:
+        for name in to_save:
+            click.echo(f"profile saved: {loader.save_profile(lm, name)}", err=True)
+        if trace_path:
+            loader.save_trace(lm, trace_path)
+            click.echo(f"trace saved: {trace_path}", err=True)
+
+
+def _interactive(answer) -> None:
     click.echo("Type a message; an empty line or Ctrl-D ends the chat.")
     while True:
         try:
             text = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             click.echo()
-            break
+            return
         if not text.strip():
-            break
+            return
         try:
             answer(text)
         except KeyboardInterrupt:
             click.echo("\n[interrupted]")
+
+
+def _progress(items, label: str):
+    return click.progressbar(items, label=label, file=sys.stderr)
 
 
 def format_stats(s: dict, response=None) -> str:
@@ -141,6 +178,136 @@ def inspect(model, as_json):
         label = names.get(key, key.replace("_", " "))
         shown = f"{format_bytes(value)} ({value} bytes)" if key.endswith("bytes") else value
         click.echo(f"{label:>17}: {shown}")
+
+
+def _capacity(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise click.BadParameter(f"'{text}' is neither a slot count nor a fraction") from None
+
+
+def _load_profile(name: str):
+    from .profiles import Profile, find
+
+    return Profile.load(find(name))
+
+
+@main.command()
+@click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
+@click.option("--policy", "-p", default="wlfu", show_default=True)
+@click.option("--capacity", "-c", default="0.25", show_default=True,
+              help="(layer, expert) slots, or a fraction of all of them (0.25).")
+@click.option("--per-layer", is_flag=True, help="Split the slots evenly per layer.")
+@click.option("--profile", "profile_name", help="Seed the policy with this profile's counts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--sweep", is_flag=True, help="Every policy over a range of capacities.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="With --sweep: write a PNG plot.")
+def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep, plot):
+    """Replay a routing trace through the runtime's cache policies; compare with LRU and Belady."""
+    from . import replay as rp
+    from .policies import POLICIES
+    from .trace import Trace
+
+    try:
+        trace = Trace.load(trace_path)
+        seed = None
+        if profile_name:
+            profile = _load_profile(profile_name)
+            if profile.counts.shape != (trace.layers, trace.num_experts):
+                raise ValueError(
+                    f"profile '{profile.workload}' has {profile.counts.shape[0]} layers x "
+                    f"{profile.counts.shape[1]} experts, the trace {trace.layers} x {trace.num_experts}")
+            seed = {i: float(v) for i, v in enumerate(profile.decayed.reshape(-1)) if v > 0}
+        if sweep:
+            results = rp.sweep(trace, sorted(POLICIES), [0.05, 0.1, 0.25, 0.5, 0.75, 1.0],
+                               per_layer, seed)
+        else:
+            results = [rp.replay(trace, policy, _capacity(capacity), per_layer, seed)]
+    except ValueError as e:
+        _fail(e)
+    if plot and sweep and not rp.plot_sweep(results, plot):
+        click.echo("matplotlib is not installed: no plot written", err=True)
+    if as_json:
+        click.echo(json.dumps(results if sweep else results[0], indent=2))
+        return
+    click.echo(f"{'policy':>8} {'slots':>7} {'hit rate':>9} {'lru':>7} {'belady':>7} {'evictions':>10}")
+    for r in results:
+        click.echo(f"{r['policy']:>8} {r['capacity']:>7} {r['hit_rate']:>9.2%} "
+                   f"{r['lru_hit_rate']:>7.2%} {r['belady_hit_rate']:>7.2%} {r['evictions']:>10}")
+
+
+@main.group()
+def profile():
+    """Saved workload activation profiles."""
+
+
+@profile.command("list")
+def profile_list():
+    """Every profile found in ./profiles, the user directory and the package."""
+    from .profiles import Profile, list_all
+
+    for path in list_all():
+        try:
+            p = Profile.load(path)
+        except ValueError as e:
+            click.echo(f"{path.stem:<20} (unreadable: {e})")
+            continue
+        click.echo(f"{path.stem:<20} {p.model['model_type']:<12} {p.tokens:>8} tokens  "
+                   f"{p.created}  {path}")
+
+
+@profile.command("show")
+@click.argument("name")
+@click.option("--top", default=8, show_default=True, help="Hot experts shown per layer.")
+def profile_show(name, top):
+    """Hot experts per layer and the share of activations the top-N carry."""
+    try:
+        p = _load_profile(name)
+    except ValueError as e:
+        _fail(e)
+    click.echo(f"workload {p.workload}: {p.tokens} tokens on {p.model['model_type']} "
+               f"({p.model['moe_layers']} MoE layers x {p.model['experts']} experts, "
+               f"top-{p.model['top_k']}), created {p.created}")
+    coverage = p.coverage(top)
+    for layer, (counts, share) in enumerate(zip(p.counts, coverage)):
+        hot = [int(e) for e in counts.argsort(kind="stable")[::-1][:top] if counts[e] > 0]
+        click.echo(f"layer {layer:>3}: top-{top} carry {share:6.1%}  hot {hot}")
+
+
+@profile.command("merge")
+@click.argument("first")
+@click.argument("second")
+@click.option("-o", "--output", required=True, help="Name or path of the merged profile.")
+def profile_merge(first, second, output):
+    """Sum two profiles of the same model."""
+    from .profiles import merge, save_target
+
+    try:
+        merged = merge(_load_profile(first), _load_profile(second), workload=output)
+        click.echo(merged.save(save_target(output)))
+    except ValueError as e:
+        _fail(e)
+
+
+@profile.command("diff")
+@click.argument("first")
+@click.argument("second")
+@click.option("--top", default=8, show_default=True)
+def profile_diff(first, second, top):
+    """Per layer: how differently two workloads route (JS divergence, top-N overlap)."""
+    from .profiles import diff
+
+    try:
+        rows = diff(_load_profile(first), _load_profile(second), top)
+    except ValueError as e:
+        _fail(e)
+    click.echo(f"{'layer':>5} {'JS div (bits)':>14} {f'top-{top} overlap':>15}")
+    for r in rows:
+        click.echo(f"{r['layer']:>5} {r['js_divergence']:>14.3f} {r['top_overlap']:>15.0%}")
 
 
 if __name__ == "__main__":

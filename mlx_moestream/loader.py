@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,6 +13,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from .budget import available_memory_bytes, resolve_budget
+from .policies import DEFAULT_POLICY
+from .profiles import Profile
+from .profiles import find as find_profile
+from .profiles import save_target as profile_target
+from .trace import Trace, TraceRecorder
 from .store import ExpertStore
 from .streaming import ModelPlan, Runtime, plan_model
 
@@ -65,8 +71,10 @@ def memory_bytes() -> int:
 def load(
     model: str | Path,
     budget: int | str | None = None,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
+    profile: str | Path | Profile | None = None,
     *,
+    prewarm_share: float = 1.0,
     revision: str | None = None,
     window_tokens: int = 32,
 ) -> tuple[nn.Module, TokenizerWrapper]:
@@ -74,8 +82,11 @@ def load(
 
     `budget` bounds resident expert bytes: bytes, `"8GB"`, `"512MiB"`, `"35%"` of all expert
     bytes, or `"auto"` (the default: everything that fits in free memory after the dense
-    weights and a working reserve).
+    weights and a working reserve). `profile` (a name, a path or a `Profile`) pre-warms the
+    hottest experts of a saved workload into `prewarm_share` of the budget.
     """
+    if policy == "belady":
+        raise ValueError("policy 'belady' needs the future routing: it is for `replay` only")
     path = resolve_model_path(model, revision)
     lazy_model, tokenizer, _, store, plan = load_lazy(path)
     budget_bytes = resolve_budget(
@@ -84,7 +95,41 @@ def load(
     runtime = Runtime(plan, store, budget_bytes, policy, window_tokens)
     runtime.attach(lazy_model)
     mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
+    if profile is not None:
+        prewarm(lazy_model, profile, prewarm_share)
     return lazy_model, tokenizer
+
+
+def prewarm(model: nn.Module, profile: str | Path | Profile, share: float = 1.0,
+            progress: Callable | None = None) -> dict:
+    """Load a profile's hottest experts into `share` of the budget and seed the policy with its
+    counts. `progress(items, label)` may wrap the loads (e.g. a progress bar)."""
+    if not isinstance(profile, Profile):
+        profile = Profile.load(find_profile(str(profile)))
+    return runtime_of(model).prewarm(profile, share, progress)
+
+
+def save_profile(model: nn.Module, name: str | Path, workload: str | None = None) -> Path:
+    """Save this session's activation profile as NAME (in ./profiles or the user directory) or a path."""
+    name = str(name)
+    workload = workload or Path(name).stem
+    return runtime_of(model).profile(workload).save(profile_target(name))
+
+
+def start_trace(model: nn.Module) -> None:
+    """Record the routing of every following forward call (see `save_trace`)."""
+    runtime = runtime_of(model)
+    runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
+
+
+def save_trace(model: nn.Module, path: str | Path) -> Trace:
+    """Write the routing recorded since `start_trace` as a .npz trace (atomically)."""
+    recorder = runtime_of(model).recorder
+    if recorder is None:
+        raise ValueError("no trace is being recorded: call start_trace(model) first")
+    trace = recorder.to_trace()
+    trace.save(path)
+    return trace
 
 
 def runtime_of(model: nn.Module) -> Runtime:

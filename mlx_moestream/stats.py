@@ -12,7 +12,8 @@ class Stats:
     top-k accesses per layer, a prefill call one per distinct routed expert.
     """
 
-    def __init__(self, layer_names: list[str], num_experts: int, window_tokens: int = 32):
+    def __init__(self, layer_names: list[str], num_experts: int, window_tokens: int = 32,
+                 half_life_tokens: int = 256):
         n = len(layer_names)
         self.layer_names = layer_names
         self.num_experts = num_experts
@@ -24,18 +25,36 @@ class Stats:
         self.bytes_read = np.zeros(n, np.int64)
         self.read_seconds = np.zeros(n, np.float64)
         self.seen = np.zeros((n, num_experts), np.bool_)
+        # Tokens routed to each expert, raw and halved every `half_life_tokens`: what a profile saves.
+        self.activations = np.zeros((n, num_experts), np.int64)
+        self.decayed = np.zeros((n, num_experts), np.float64)
+        self.half_life_tokens = half_life_tokens
         self.tokens = 0
         self.windows: list[dict] = []
         self._window_mark = (0, 0, 0)  # tokens, hits, misses at the start of the open window
+        self._window_activations = self.activations.copy()
+
+    def route(self, layer: int, ids: np.ndarray) -> None:
+        """Count the tokens routed to each expert by one call (`ids`: valid expert ids)."""
+        routed = np.bincount(ids.reshape(-1), minlength=self.num_experts)
+        self.activations[layer] += routed
+        self.decayed[layer] += routed
 
     def tick(self, tokens: int) -> None:
-        """Advance the token clock; closes a hit-rate window every `window_tokens` tokens."""
-        self.tokens += tokens
+        """Called before `tokens` new tokens are processed: close a finished window, decay, count."""
         start, hits0, misses0 = self._window_mark
         if self.tokens - start >= self.window_tokens:
             hits, misses = int(self.hits.sum()), int(self.misses.sum())
-            self.windows.append(_window(start, self.tokens, hits - hits0, misses - misses0))
+            window = _window(start, self.tokens, hits - hits0, misses - misses0)
+            used = self.activations > self._window_activations
+            window["unique_experts"] = used.sum(axis=1).tolist()
+            self.windows.append(window)
             self._window_mark = (self.tokens, hits, misses)
+            self._window_activations = self.activations.copy()
+        halvings = (self.tokens + tokens) // self.half_life_tokens - self.tokens // self.half_life_tokens
+        if halvings:
+            self.decayed *= 0.5**halvings
+        self.tokens += tokens
 
     def layer(self, i: int) -> dict:
         return {

@@ -12,7 +12,10 @@ because a layer's routing depends on every earlier computation that could still 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -23,6 +26,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .budget import BudgetError, format_bytes
 from .cache import ExpertCache
+from .profiles import Profile
 from .stats import Stats
 from .store import ExpertStore, StoreError
 
@@ -55,6 +59,7 @@ class ModelPlan:
     top_k: int
     layers: list[MoELayer]
     dense_bytes: int
+    config_hash: str
     num_layers: int = field(init=False)
 
     def __post_init__(self):
@@ -98,6 +103,14 @@ class ModelPlan:
             need = max(need, int(np.ceil(self.top_k * layer.expert_bytes / share)))
         return need
 
+    @property
+    def identity(self) -> dict:
+        """What a profile records to refuse being applied to another model."""
+        shapes = [(l.path, l.num_experts) for l in self.layers]
+        digest = hashlib.sha256(json.dumps([self.config_hash, shapes]).encode()).hexdigest()
+        return {"model_type": self.model_type, "moe_layers": self.num_layers,
+                "experts": self.num_experts, "top_k": self.top_k, "fingerprint": digest[:16]}
+
     def describe(self) -> dict:
         first = self.layers[0]
         return {
@@ -134,7 +147,18 @@ def plan_model(model: nn.Module, config: dict) -> ModelPlan:
     layers.sort(key=lambda l: _path_key(l.path))
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     dense = total - sum(l.expert_bytes * l.num_experts for l in layers)
-    return ModelPlan(model_type, _top_k(config, model_type), layers, dense)
+    return ModelPlan(model_type, _top_k(config, model_type), layers, dense, _config_hash(config))
+
+
+# Settings that change how weights are stored, not which experts a token routes to: a profile
+# recorded on the float model applies to its quantized versions.
+STORAGE_KEYS = {"quantization", "quantization_config", "torch_dtype", "dtype", "_name_or_path",
+                "transformers_version"}
+
+
+def _config_hash(config: dict) -> str:
+    kept = {k: v for k, v in config.items() if k not in STORAGE_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _path_key(path: str) -> list:
@@ -191,7 +215,7 @@ class StreamingExperts(nn.Module):
     def _rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
         """More distinct experts than the layer may hold: compute them a slot-pool at a time."""
         k, dims = ids.shape[-1], x.shape[-1]
-        flat = self.runtime.valid_ids(self.layer, ids.reshape(-1))
+        flat = self.runtime.masked(self.layer, ids.reshape(-1))[2]
         order = np.argsort(flat, kind="stable")
         sorted_ids = flat[order]
         experts = np.unique(sorted_ids)
@@ -228,6 +252,9 @@ class Runtime:
         self.store = store
         self.budget_bytes = budget_bytes
         self.policy = policy
+        self.recorder = None  # a trace.TraceRecorder while recording routing
+        self.prewarm_info: dict | None = None
+        self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
         self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
         self.store_layer = [
             store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
@@ -256,14 +283,16 @@ class Runtime:
     def capacity(self, layer: int) -> int:
         return self.caches[self.pool_of[layer]].capacity(layer)
 
-    def valid_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
-        """Masked ids (-1, or beyond the expert count) point at a routed expert: no load for them."""
+    def masked(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Masked ids (-1, or beyond the expert count) must cause no load: returns (ids with -1
+        for masked ones, the routed ids alone, ids with masked ones pointing at a routed expert)."""
         num = self.plan.layers[layer].num_experts
+        if ids.min() >= 0 and ids.max() < num:
+            return ids, ids, ids
         valid = (ids >= 0) & (ids < num)
-        if valid.all():
-            return ids
-        fill = ids[valid][0] if valid.any() else 0
-        return np.where(valid, ids, fill)
+        routed = ids[valid]
+        fill = routed[0] if routed.size else 0
+        return np.where(valid, ids, -1), routed, np.where(valid, ids, fill)
 
     def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
         """Slots for routed `ids`, loading misses; None when the call needs more than fit."""
@@ -272,7 +301,10 @@ class Runtime:
             self.stats.tick(tokens)
             for cache in self.caches:
                 cache.tick(tokens)
-        ids = self.valid_ids(layer, ids)
+        masked, routed, ids = self.masked(layer, ids)
+        self.stats.route(layer, routed)
+        if self.recorder is not None:
+            self.recorder.record(layer, masked.reshape(-1, masked.shape[-1]))
         experts = np.unique(ids)
         if len(experts) > self.capacity(layer):
             return None
@@ -311,6 +343,45 @@ class Runtime:
     def slot_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
 
+    def prewarm(self, profile: Profile, share: float = 1.0, progress=None) -> dict:
+        """Read a profile's hottest experts into free slots (up to `share` of each pool), in
+        file order, and seed the policies with its decayed counts; pins stay soft, since the
+        seeded counts decay like live ones. `progress(items, label)` is a context manager."""
+        profile.check_model(self.plan.identity)
+        picks = []
+        for cache, group in zip(self.caches, self.plan.pools()):
+            limits = [cache.capacity(l) if l in group else 0 for l in range(self.plan.num_layers)]
+            picks += profile.hottest(int(cache.num_slots * share) - cache.resident, limits)
+            cache.seed({int(cache.key_of[l, e]): float(profile.decayed[l, e])
+                        for l in group for e in np.flatnonzero(profile.decayed[l])})
+        picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
+        start, nbytes, loaded = time.perf_counter(), 0, 0
+        context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)
+        with context as items:
+            for layer, expert in items:
+                cache = self.caches[self.pool_of[layer]]
+                slot = cache.admit(layer, expert)
+                if slot is None:
+                    continue
+                try:
+                    nbytes += self.store.read_expert(self.store_layer[layer], expert,
+                                                     self.pools[self.pool_of[layer]].slot(slot))
+                except StoreError:
+                    cache.discard(layer, expert)
+                    raise
+                self.warm[layer] += 1
+                loaded += 1
+        self.prewarm_info = {"profile": profile.workload, "experts": loaded, "bytes": nbytes,
+                             "read_ms": (time.perf_counter() - start) * 1e3,
+                             "at_token": self.stats.tokens}
+        return self.prewarm_info
+
+    def profile(self, workload: str) -> Profile:
+        """This session's routing so far, to pre-warm later sessions of the same workload."""
+        s = self.stats
+        return Profile(workload, self.plan.identity, s.activations.copy(), s.decayed.copy(),
+                       s.tokens, s.half_life_tokens, list(s.layer_names))
+
     def stats_dict(self) -> dict:
         out = self.stats.as_dict()
         out.update(
@@ -319,7 +390,10 @@ class Runtime:
             slot_bytes=self.slot_bytes,
             slots=sum(p.num_slots for p in self.pools),
             policy=self.policy,
+            prewarm=self.prewarm_info,
         )
+        for layer, warm in zip(out["layers"], self.warm.tolist()):
+            layer["warm"] = warm
         return out
 
 

@@ -1,0 +1,332 @@
+"""Eviction policies: which resident expert leaves when the slot pool is full.
+
+`ExpertCache` owns residency (slots, counts, partitions) and asks a policy only to rank. A key is
+`layer * num_experts + expert`; every policy is built as `Policy(capacity, num_keys)`, where
+`num_keys` bounds the keys (all layers' experts) so state can live in numpy arrays indexed by key.
+Plain Python and numpy (no mlx): the live runtime, trace replay and any other backend share them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+DEFAULT_POLICY = "wlfu"
+
+
+class Policy:
+    """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
+
+    Calls: `access(keys)` with the resident keys one call used (hits: distinct keys, a numpy
+    integer array), `insert(key)` when a key becomes resident (a miss), `victim(protected)` to
+    remove and return the key to evict next (never one in `protected`, the keys of the current
+    call), `remove(key)` when a key leaves without eviction, `tick(tokens)` to advance the token
+    clock, `seed(counts)` to start from a saved activation profile (`{key: count}`).
+    """
+
+    def __init__(self, capacity: int, num_keys: int):
+        self.capacity = capacity
+        self.num_keys = num_keys
+
+    def access(self, keys: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def insert(self, key: int) -> None:
+        raise NotImplementedError
+
+    def victim(self, protected: set[int]) -> int:
+        raise NotImplementedError
+
+    def remove(self, key: int) -> None:
+        raise NotImplementedError
+
+    def tick(self, tokens: int) -> None:
+        pass
+
+    def seed(self, counts: dict[int, float]) -> None:
+        pass
+
+
+class LRU(Policy):
+    """Evicts the least recently used key."""
+
+    def __init__(self, capacity: int, num_keys: int):
+        super().__init__(capacity, num_keys)
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def access(self, keys: np.ndarray) -> None:
+        move = self.order.move_to_end
+        for key in keys.tolist():
+            move(key)
+
+    def insert(self, key: int) -> None:
+        self.order[key] = None
+
+    def victim(self, protected: set[int]) -> int:
+        for key in self.order:
+            if key not in protected:
+                del self.order[key]
+                return key
+        raise _all_in_use()
+
+    def remove(self, key: int) -> None:
+        del self.order[key]
+
+
+class LFU(Policy):
+    """Evicts the resident key used least often; the least recently used among equals.
+
+    Counts are exact (one per call that used the key) and kept for keys that are not resident,
+    so a returning expert is remembered. They never decay: see `WindowLFU` for that.
+    """
+
+    def __init__(self, capacity: int, num_keys: int):
+        super().__init__(capacity, num_keys)
+        self.count = np.zeros(num_keys)
+        self.last_use = np.zeros(num_keys, np.int64)  # value of `uses` at the key's latest use
+        self.uses = 0
+        self.resident = _Resident(num_keys)
+
+    def access(self, keys: np.ndarray) -> None:
+        self.uses += 1
+        self.count[keys] += 1
+        self.last_use[keys] = self.uses
+
+    def insert(self, key: int) -> None:
+        self.uses += 1
+        self.count[key] += 1
+        self.last_use[key] = self.uses
+        self.resident.add(key)
+
+    def victim(self, protected: set[int]) -> int:
+        resident = self.resident
+        key = resident.pop_min(self.count[resident.active], protected, tie=self.last_use)
+        if key is None:
+            raise _all_in_use()
+        return key
+
+    def remove(self, key: int) -> None:
+        self.resident.drop(key)
+
+    def seed(self, counts: dict[int, float]) -> None:
+        _add_counts(self.count, counts)
+
+
+class WindowLFU(LFU):
+    """LFU over a sliding window: all counts halve each time the token clock crosses a multiple
+    of `half_life`, so a use `half_life` tokens ago weighs half a use now.
+
+    The cache follows a workload that shifts mid-session: experts it stops using decay out,
+    while counts of non-resident experts keep growing until they win a slot. Seeded counts
+    decay the same way.
+    """
+
+    def __init__(self, capacity: int, num_keys: int, half_life: int = 256):
+        super().__init__(capacity, num_keys)
+        if half_life < 1:
+            raise ValueError(f"half_life must be at least 1 token, got {half_life}")
+        self.half_life = half_life
+        self.tokens = 0
+
+    def tick(self, tokens: int) -> None:
+        halvings = (self.tokens + tokens) // self.half_life - self.tokens // self.half_life
+        self.tokens += tokens
+        if halvings:
+            self.count *= 0.5**halvings
+
+
+class SLRU(Policy):
+    """Segmented LRU. A key enters probation; a hit on it promotes it to the protected segment
+    (`protected_share` of the capacity), whose least recently used key falls back to probation
+    when the segment overflows.
+
+    The victim comes from probation: the key that entered it in the earliest token, the least
+    used (counted like `LFU`) among keys that entered in the same token. Protected keys are
+    evicted, least recently used first, only when probation has none to give.
+    """
+
+    def __init__(self, capacity: int, num_keys: int, protected_share: float = 0.8):
+        super().__init__(capacity, num_keys)
+        if not 0.0 <= protected_share <= 1.0:
+            raise ValueError(f"protected_share must be in [0, 1], got {protected_share}")
+        self.protected_slots = int(capacity * protected_share)
+        self.probation = _Resident(num_keys)
+        self.protected: OrderedDict[int, None] = OrderedDict()
+        self.entered = np.zeros(num_keys)  # token in which the key entered probation
+        self.count = np.zeros(num_keys)
+        self.tokens = 0
+
+    def access(self, keys: np.ndarray) -> None:
+        self.count[keys] += 1
+        protected = self.protected
+        for key in keys.tolist():
+            if key in protected:
+                protected.move_to_end(key)
+                continue
+            self.probation.drop(key)
+            protected[key] = None
+            if len(protected) > self.protected_slots:
+                self._enter_probation(protected.popitem(last=False)[0])
+
+    def insert(self, key: int) -> None:
+        self.count[key] += 1
+        self._enter_probation(key)
+
+    def _enter_probation(self, key: int) -> None:
+        self.probation.add(key)
+        self.entered[key] = self.tokens
+
+    def victim(self, protected: set[int]) -> int:
+        probation = self.probation
+        key = probation.pop_min(self.entered[probation.active], protected, tie=self.count)
+        if key is not None:
+            return key
+        for key in self.protected:
+            if key not in protected:
+                del self.protected[key]
+                return key
+        raise _all_in_use()
+
+    def remove(self, key: int) -> None:
+        if key in self.protected:
+            del self.protected[key]
+        else:
+            self.probation.drop(key)
+
+    def tick(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def seed(self, counts: dict[int, float]) -> None:
+        _add_counts(self.count, counts)
+
+
+class Belady(Policy):
+    """Belady's offline optimum: evicts the resident key whose next use is farthest away, keys
+    never used again first. Replay only: `future` is every key in the order the cache will pass
+    them to `access`/`insert` (for each call its distinct keys), which replay builds from a trace.
+    """
+
+    def __init__(self, capacity: int, num_keys: int, future: np.ndarray | None = None):
+        super().__init__(capacity, num_keys)
+        if future is None:
+            raise ValueError("belady is offline: it needs the future access sequence (use replay)")
+        future = np.asarray(future, np.int64)
+        n = len(future)
+        # next_at[i]: position of the next use of future[i], n if none; first_at[key]: first use.
+        self.future = np.append(future, -1)
+        self.next_at = np.full(n + 1, n, np.int64)
+        self.first_at = np.full(num_keys, n, np.int64)
+        order = np.argsort(future, kind="stable")
+        same = future[order[1:]] == future[order[:-1]]
+        self.next_at[order[:-1][same]] = order[1:][same]
+        starts = order[np.append(True, ~same)]
+        self.first_at[future[starts]] = starts
+        self.at = np.full(num_keys, -1, np.int64)  # position of the key's latest use so far
+        self.next_use = np.full(num_keys, float(n))
+        self.resident = _Resident(num_keys)
+
+    def _use(self, key: int) -> None:
+        at = self.at[key]
+        at = self.first_at[key] if at < 0 else self.next_at[at]
+        if self.future[at] != key:
+            raise RuntimeError(f"key {key} is used out of the order belady was given")
+        self.at[key] = at
+        self.next_use[key] = self.next_at[at]
+
+    def access(self, keys: np.ndarray) -> None:
+        for key in keys.tolist():
+            self._use(key)
+
+    def insert(self, key: int) -> None:
+        self._use(key)
+        self.resident.add(key)
+
+    def victim(self, protected: set[int]) -> int:
+        resident = self.resident
+        key = resident.pop_min(-self.next_use[resident.active], protected)
+        if key is None:
+            raise _all_in_use()
+        return key
+
+    def remove(self, key: int) -> None:
+        self.resident.drop(key)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "lru": LRU,
+    "lfu": LFU,
+    "slru": SLRU,
+    "wlfu": WindowLFU,
+    "belady": Belady,
+}
+
+
+def make_policy(name: str, capacity: int, num_keys: int, **options) -> Policy:
+    """The policy called `name` (see `POLICIES`); `options` go to its constructor."""
+    try:
+        cls = POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}"
+        ) from None
+    return cls(capacity, num_keys, **options)
+
+
+class _Resident:
+    """Resident keys packed at the front of an array, so choosing a victim is one argmin."""
+
+    def __init__(self, num_keys: int):
+        self.keys = np.zeros(num_keys, np.int64)
+        self.pos = np.full(num_keys, -1, np.int64)  # index of the key in `keys`, -1 if absent
+        self.n = 0
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.keys[: self.n]
+
+    def add(self, key: int) -> None:
+        self.keys[self.n] = key
+        self.pos[key] = self.n
+        self.n += 1
+
+    def drop(self, key: int) -> None:
+        i = self.pos[key]
+        self.n -= 1
+        moved = self.keys[self.n]
+        self.keys[i] = moved
+        self.pos[moved] = i
+        self.pos[key] = -1
+
+    def pop_min(self, score: np.ndarray, protected: set[int], tie: np.ndarray | None = None):
+        """Drop and return the key of least `score` (one float per `active` key, overwritten),
+        skipping `protected`; among equal scores the least `tie[key]`. None if all are protected."""
+        if protected:
+            at = self.pos[np.fromiter(protected, np.int64, len(protected))]
+            score[at[at >= 0]] = np.inf
+        if not len(score):
+            return None
+        i = int(score.argmin())
+        if score[i] == np.inf:
+            return None
+        if tie is not None:
+            equal = np.flatnonzero(score == score[i])
+            if len(equal) > 1:
+                i = int(equal[tie[self.keys[equal]].argmin()])
+        key = int(self.keys[i])
+        self.drop(key)
+        return key
+
+
+def _add_counts(count: np.ndarray, counts: dict[int, float]) -> None:
+    keys = np.fromiter(counts.keys(), np.int64, len(counts))
+    values = np.fromiter(counts.values(), np.float64, len(counts))
+    if len(keys) and (keys.min() < 0 or keys.max() >= len(count)):
+        raise ValueError(f"seed keys must be in [0, {len(count)}), got {keys.min()}..{keys.max()}")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError("seed counts must be finite and non-negative")
+    np.add.at(count, keys, values)
+
+
+def _all_in_use() -> RuntimeError:
+    return RuntimeError("every resident expert is in use by the current call")

@@ -1,0 +1,217 @@
+"""Workload activation profiles: which experts a workload uses, saved to pre-warm later sessions.
+
+A profile is human-readable JSON: per MoE layer, how many tokens were routed to each expert
+(raw and exponentially decayed), plus a fingerprint of the model it was recorded on so that a
+profile is never applied to another model. Plain Python and numpy (no mlx).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "mlx-moestream-profile"
+VERSION = 1
+ENV_DIR = "MLX_MOESTREAM_PROFILES"
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be found, parsed, or applied to this model."""
+
+
+@dataclass
+class Profile:
+    workload: str
+    model: dict  # model_type, moe_layers, experts, top_k, fingerprint
+    counts: np.ndarray  # [layers, experts] tokens routed to each expert
+    decayed: np.ndarray  # [layers, experts] the same, halved every `half_life_tokens`
+    tokens: int
+    half_life_tokens: int
+    layer_names: list[str]
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "workload": self.workload,
+            "created": self.created,
+            "model": self.model,
+            "tokens": self.tokens,
+            "half_life_tokens": self.half_life_tokens,
+            "layers": [
+                {"name": name, "counts": c.tolist(), "decayed": [round(float(v), 3) for v in d]}
+                for name, c, d in zip(self.layer_names, self.counts, self.decayed)
+            ],
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically: a crash never leaves a half-written profile behind."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ProfileError(f"{path}: not a readable profile ({e})") from None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise ProfileError(f"{path}: not an mlx-moestream profile (schema != '{SCHEMA}')")
+        if data.get("version") != VERSION:
+            raise ProfileError(f"{path}: profile version {data.get('version')} is not {VERSION}")
+        try:
+            layers = data["layers"]
+            counts = np.array([l["counts"] for l in layers], dtype=np.int64)
+            decayed = np.array([l["decayed"] for l in layers], dtype=np.float64)
+            profile = cls(str(data["workload"]), dict(data["model"]), counts, decayed,
+                          int(data["tokens"]), int(data["half_life_tokens"]),
+                          [str(l["name"]) for l in layers], str(data["created"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
+        if counts.ndim != 2 or counts.shape != decayed.shape or (counts < 0).any():
+            raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts] >= 0)")
+        return profile
+
+    def check_model(self, model: dict, source: str = "profile") -> None:
+        """Refuse a profile recorded on another model, saying which."""
+        if self.model.get("fingerprint") != model["fingerprint"]:
+            raise ProfileError(
+                f"{source} '{self.workload}' was recorded on {_describe(self.model)} "
+                f"but this model is {_describe(model)}"
+            )
+
+    def hottest(self, limit: int, per_layer: list[int] | None = None) -> list[tuple[int, int]]:
+        """The most used (layer, expert) pairs, hottest first, at most `per_layer[l]` per layer."""
+        order = np.argsort(-self.decayed, axis=None, kind="stable")
+        taken = np.zeros(len(self.decayed), np.int64)
+        picked = []
+        for flat in order.tolist():
+            layer, expert = divmod(flat, self.decayed.shape[1])
+            if len(picked) == limit or self.decayed[layer, expert] <= 0:
+                break
+            if per_layer is not None and taken[layer] >= per_layer[layer]:
+                continue
+            taken[layer] += 1
+            picked.append((layer, expert))
+        return picked
+
+    def coverage(self, top_n: int) -> np.ndarray:
+        """Per layer, the share of activations that the `top_n` most used experts carry."""
+        top = np.sort(self.counts, axis=1)[:, ::-1][:, :top_n].sum(axis=1)
+        return top / np.maximum(self.counts.sum(axis=1), 1)
+
+
+def _describe(model: dict) -> str:
+    return (f"{model.get('model_type')} ({model.get('moe_layers')} MoE layers x "
+            f"{model.get('experts')} experts, top-{model.get('top_k')}, "
+            f"fingerprint {str(model.get('fingerprint'))[:12]})")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def user_dir() -> Path:
+    return Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "mlx-moestream" / "profiles")
+
+
+def search_dirs() -> list[Path]:
+    """Where NAME is looked up: ./profiles, the user directory, the profiles shipped with the package.
+
+    The repo's profiles/ folder is installed as `mlx_moestream.bundled_profiles`; running from a
+    checkout it is ./profiles already.
+    """
+    dirs = [Path("profiles"), user_dir()]
+    try:
+        dirs.append(Path(str(resources.files("mlx_moestream.bundled_profiles"))))
+    except ModuleNotFoundError:
+        pass
+    return dirs
+
+
+def _is_path(name: str) -> bool:
+    return name.endswith(".json") or os.sep in name or "/" in name
+
+
+def find(name: str) -> Path:
+    """A profile NAME (searched in `search_dirs()`) or a path to a .json file."""
+    if _is_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ProfileError(f"profile file {path} does not exist")
+        return path
+    for folder in search_dirs():
+        if (folder / f"{name}.json").exists():
+            return folder / f"{name}.json"
+    where = ", ".join(str(d) for d in search_dirs())
+    raise ProfileError(f"no profile named '{name}' (looked in {where})")
+
+
+def save_target(name: str) -> Path:
+    """Where `--profile save NAME` writes: ./profiles if it exists, else the user directory."""
+    if _is_path(name):
+        return Path(name).expanduser()
+    folder = Path("profiles") if Path("profiles").is_dir() else user_dir()
+    return folder / f"{name}.json"
+
+
+def list_all() -> list[Path]:
+    seen, out = set(), []
+    for folder in search_dirs():
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+            if path.stem not in seen:
+                seen.add(path.stem)
+                out.append(path)
+    return out
+
+
+def merge(a: Profile, b: Profile, workload: str) -> Profile:
+    """Sum two profiles of the same model (e.g. two sessions of one workload)."""
+    b.check_model(a.model, "second profile")
+    return Profile(workload, a.model, a.counts + b.counts, a.decayed + b.decayed,
+                   a.tokens + b.tokens, a.half_life_tokens, a.layer_names)
+
+
+def js_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Jensen-Shannon divergence (bits) between per-row distributions of counts."""
+    p = p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-12)
+    q = q / np.maximum(q.sum(axis=-1, keepdims=True), 1e-12)
+    m = (p + q) / 2
+
+    def kl(a, b):
+        return np.where(a > 0, a * np.log2(np.where(a > 0, a, 1) / np.where(b > 0, b, 1)), 0).sum(-1)
+
+    return (kl(p, m) + kl(q, m)) / 2
+
+
+def diff(a: Profile, b: Profile, top_n: int) -> list[dict]:
+    """Per layer: JS divergence of the two expert distributions and overlap of their top-N."""
+    b.check_model(a.model, "second profile")
+    jsd = js_divergence(a.counts.astype(float), b.counts.astype(float))
+    rows = []
+    for layer in range(len(a.counts)):
+        top_a = set(np.argsort(-a.counts[layer], kind="stable")[:top_n].tolist())
+        top_b = set(np.argsort(-b.counts[layer], kind="stable")[:top_n].tolist())
+        rows.append({"layer": layer, "js_divergence": float(jsd[layer]),
+                     "top_overlap": len(top_a & top_b) / top_n})
+    return rows

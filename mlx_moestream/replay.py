@@ -1,0 +1,248 @@
+"""Replay a routing trace through `ExpertCache` to compare eviction policies offline.
+
+The same cache and policy classes as the live runtime, driven the way the runtime drives them:
+tokens in order; for each token `tick(1)`, then layers 0..L-1, one `request(layer, experts)` with
+the token's distinct experts at that layer. Every policy claim should come with a replay.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .cache import ExpertCache, split_slots
+from .policies import Belady, Policy
+from .stats import Stats
+from .trace import Trace
+
+PolicySpec = str | Callable[[int], Policy]
+
+RECOVERY_POINTS = 0.02  # hit rate within 2 points of the new steady state counts as recovered
+
+
+def replay(
+    trace: Trace,
+    policy: PolicySpec,
+    capacity: int | float,
+    per_layer: bool | Sequence[float] = False,
+    seed_counts: dict[int, float] | None = None,
+    window_tokens: int = 32,
+) -> dict:
+    """Replay `trace` with `policy` (a name, or a factory taking the capacity) and summarize.
+
+    `capacity`: an int number of (layer, expert) slots, or a float fraction in (0, 1] of all
+    layers * num_experts of them. With `per_layer` false the slots form one pool shared by all
+    layers; true splits them evenly (`split_slots`), and a sequence of weights (one per layer, e.g.
+    `trace.working_set()`) splits them by profile. `seed_counts` seeds the policy's frequencies.
+
+    Returns a JSON-ready dict: `hits`, `misses`, `hit_rate`, `evictions`, `capacity` (slots),
+    `policy`, `lru_hit_rate` and `belady_hit_rate` (the same trace and capacity), and, when the
+    trace has `segment_id`, `segments` (one per run of equal segment_id: `segment_id`,
+    `start_token`, `tokens`, `hit_rate`, `steady_hit_rate`, `recovery_tokens`) and
+    `recovery_tokens` (one per switch; the LRU figures as `lru_recovery_tokens`).
+
+    Recovery: a segment [s, e) has steady-state hit rate H = the hit rate of its second half,
+    tokens [s + (e - s) // 2, e). The trailing-window hit rate at token t >= s is the hit rate of
+    tokens [max(s, t - window_tokens + 1), t] (the window never reaches back before the switch).
+    `recovery_tokens` = t - s + 1 for the first t whose trailing-window hit rate is at least
+    H - 0.02, the number of the new segment's tokens replayed until the cache has caught up;
+    None if that never happens.
+    """
+    slots = capacity_slots(trace, capacity, per_layer)
+    result = _summary(trace, policy, slots, per_layer, seed_counts, window_tokens)
+    baselines = {name: result for name in ("lru", "belady") if result["policy"] == name}
+    for name in ("lru", "belady"):
+        if name not in baselines:
+            baselines[name] = _summary(trace, name, slots, per_layer, None, window_tokens)
+    return _with_baselines(result, baselines)
+
+
+def sweep(
+    trace: Trace,
+    policies: Sequence[PolicySpec],
+    capacities: Sequence[int | float],
+    per_layer: bool | Sequence[float] = False,
+    seed_counts: dict[int, float] | None = None,
+    window_tokens: int = 32,
+) -> list[dict]:
+    """`replay` of every policy at every capacity; LRU and Belady run once per capacity."""
+    results = []
+    for capacity in capacities:
+        slots = capacity_slots(trace, capacity, per_layer)
+        baselines = {
+            name: _summary(trace, name, slots, per_layer, None, window_tokens)
+            for name in ("lru", "belady")
+        }
+        for policy in policies:
+            if isinstance(policy, str) and policy in baselines:
+                result = baselines[policy]
+            else:
+                result = _summary(trace, policy, slots, per_layer, seed_counts, window_tokens)
+            results.append(_with_baselines(result, baselines))
+    return results
+
+
+def capacity_slots(trace: Trace, capacity: int | float, per_layer: bool | Sequence[float] = False
+                   ) -> int:
+    """Slots for `capacity` (an int count, or a float fraction in (0, 1] of all of them);
+    ValueError when it is not a number, out of range, or too small for one token's top-k
+    (in every layer, when the slots are split per layer)."""
+    total = trace.layers * trace.num_experts
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Real):
+        raise ValueError(
+            f"capacity must be an int number of slots or a float fraction in (0, 1], "
+            f"got {capacity!r}"
+        )
+    if isinstance(capacity, numbers.Integral):
+        slots = int(capacity)
+        if not 0 < slots <= total:
+            raise ValueError(f"capacity must be in [1, {total}] slots (layers * experts), "
+                             f"got {slots}")
+    else:
+        if not math.isfinite(capacity) or not 0.0 < capacity <= 1.0:
+            raise ValueError(f"a fractional capacity must be in (0, 1], got {capacity}")
+        slots = round(capacity * total)
+    layers = trace.layers if _splits(per_layer) else 1
+    need = layers * trace.top_k
+    if slots < need:
+        raise ValueError(
+            f"capacity of {slots} slots is below the top-{trace.top_k} of one token "
+            + (f"in each of {layers} layers ({need} slots)" if layers > 1 else "at one layer")
+        )
+    return slots
+
+
+def plot_sweep(results: list[dict], path: str | Path) -> bool:
+    """Write hit rate against capacity, one line per policy, as a PNG at `path`.
+
+    Returns False, writing nothing, when matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    fig = Figure(figsize=(6, 4), dpi=120)
+    ax = fig.add_subplot()
+    for name in dict.fromkeys(r["policy"] for r in results):
+        rows = sorted((r["capacity_fraction"], r["hit_rate"]) for r in results
+                      if r["policy"] == name)
+        ax.plot(*zip(*rows), marker="o", label=name)
+    ax.set_xlabel("capacity (fraction of all experts)")
+    ax.set_ylabel("hit rate")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def _splits(per_layer) -> bool:
+    return not isinstance(per_layer, bool) or per_layer
+
+
+def _requests(trace: Trace) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each (token, layer)'s distinct experts, token-major, and the key sequence they make."""
+    ids = np.sort(trace.experts.astype(np.int64), axis=2)
+    valid = ids >= 0
+    valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]
+    sizes = valid.sum(axis=2).ravel()
+    requests = np.split(ids[valid], np.cumsum(sizes)[:-1])
+    layer = np.broadcast_to(np.arange(trace.layers)[None, :, None], ids.shape)
+    future = (layer * trace.num_experts + ids)[valid]
+    return requests, future
+
+
+def _run(trace: Trace, policy: PolicySpec, slots: int, per_layer, seed_counts) -> tuple:
+    """Replay once: (stats, hits per token, accesses per token, name of the policy)."""
+    requests, future = _requests(trace)
+    layers, num_experts = trace.layers, trace.num_experts
+    num_keys = layers * num_experts
+    name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
+    if policy == "belady":
+        policy = lambda capacity: Belady(capacity, num_keys, future)  # noqa: E731
+    layer_slots = None
+    if _splits(per_layer):
+        weights = np.ones(layers) if isinstance(per_layer, bool) else per_layer
+        layer_slots = split_slots(slots, weights, trace.top_k, num_experts)
+    stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
+    cache = ExpertCache(slots, list(range(layers)), num_experts, stats, policy, layer_slots)
+    if seed_counts:
+        cache.seed(seed_counts)
+    hits = np.zeros(trace.tokens, np.int64)
+    request, tick, total_hits = cache.request, cache.tick, stats.hits
+    for t in range(trace.tokens):
+        tick(1)
+        for layer, experts in enumerate(requests[t * layers : (t + 1) * layers]):
+            if len(experts):
+                request(layer, experts)
+        hits[t] = total_hits.sum()
+    hits = np.diff(hits, prepend=0)
+    accesses = np.array([len(r) for r in requests]).reshape(trace.tokens, layers).sum(axis=1)
+    return stats, hits, accesses, name
+
+
+def _summary(trace, policy, slots, per_layer, seed_counts, window_tokens) -> dict:
+    stats, hits, accesses, name = _run(trace, policy, slots, per_layer, seed_counts)
+    total = stats.as_dict()
+    out = {
+        "policy": name,
+        "capacity": slots,
+        "capacity_fraction": slots / (trace.layers * trace.num_experts),
+        "per_layer": _splits(per_layer),
+        "tokens": trace.tokens,
+        "layers": trace.layers,
+        "num_experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "hits": total["hits"],
+        "misses": total["misses"],
+        "evictions": total["evictions"],
+        "hit_rate": total["hit_rate"],
+    }
+    if trace.segment_id is not None:
+        out["segments"] = _segments(hits, accesses, trace.segment_id, window_tokens)
+        out["recovery_tokens"] = [s["recovery_tokens"] for s in out["segments"][1:]]
+    return out
+
+
+def _with_baselines(result: dict, baselines: dict[str, dict]) -> dict:
+    out = dict(result)
+    out["lru_hit_rate"] = baselines["lru"]["hit_rate"]
+    out["belady_hit_rate"] = baselines["belady"]["hit_rate"]
+    if "recovery_tokens" in result:
+        out["lru_recovery_tokens"] = baselines["lru"]["recovery_tokens"]
+    return out
+
+
+def _segments(hits: np.ndarray, accesses: np.ndarray, segment_id: np.ndarray,
+              window_tokens: int) -> list[dict]:
+    """Hit rate, steady state and recovery of each run of equal segment_id (see `replay`)."""
+    starts = [0] + (np.flatnonzero(np.diff(segment_id)) + 1).tolist()
+    ends = starts[1:] + [len(segment_id)]
+    cum_hits = np.concatenate([[0], np.cumsum(hits)])
+    cum_accesses = np.concatenate([[0], np.cumsum(accesses)])
+
+    def rate(lo, hi):  # tokens [lo, hi), elementwise
+        n = cum_accesses[hi] - cum_accesses[lo]
+        return np.where(n > 0, (cum_hits[hi] - cum_hits[lo]) / np.maximum(n, 1), np.nan)
+
+    segments = []
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        steady = float(rate(s + (e - s) // 2, e))
+        recovery = None
+        if i > 0:
+            t = np.arange(s, e)
+            trailing = rate(np.maximum(s, t - window_tokens + 1), t + 1)
+            caught_up = np.flatnonzero(trailing >= steady - RECOVERY_POINTS)
+            recovery = int(caught_up[0]) + 1 if len(caught_up) else None
+        segments.append({
+            "segment_id": int(segment_id[s]),
+            "start_token": s,
+            "tokens": e - s,
+            "hit_rate": float(rate(s, e)),
+            "steady_hit_rate": steady,
+            "recovery_tokens": recovery,
+        })
+    return segments
