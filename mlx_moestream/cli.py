@@ -144,11 +144,19 @@ def format_stats(s: dict, response=None) -> str:
         f"in {s['read_ms']:.0f} ms; resident {format_bytes(s['resident_bytes'])} of budget "
         f"{format_bytes(s['budget_bytes'])} ({s['policy']})"
     )
-    lines.append(f"{'layer':>5} {'hits':>7} {'misses':>7} {'hit%':>6} {'evict':>7} {'unique':>6}")
+    if s["prewarm"]:
+        w = s["prewarm"]
+        lines.append(f"pre-warmed {w['experts']} experts from profile '{w['profile']}' "
+                     f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms)")
+    windows = s["hit_rate_windows"][-8:]
+    if windows:
+        lines.append("hit rate per window: " + " ".join(f"{w['hit_rate']:.0%}" for w in windows))
+    lines.append(f"{'layer':>5} {'hits':>7} {'misses':>7} {'hit%':>6} {'evict':>7} {'unique':>6} "
+                 f"{'warm':>5}")
     for i, layer in enumerate(s["layers"]):
         lines.append(
             f"{i:>5} {layer['hits']:>7} {layer['misses']:>7} {layer['hit_rate']:>6.1%} "
-            f"{layer['evictions']:>7} {layer['unique_experts']:>6}"
+            f"{layer['evictions']:>7} {layer['unique_experts']:>6} {layer['warm']:>5}"
         )
     return "\n".join(lines)
 

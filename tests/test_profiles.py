@@ -1,0 +1,178 @@
+"""Activation profiles: recorded live, saved atomically, refused on another model, pre-warming."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+import mlx_moestream
+from mlx_moestream.profiles import Profile, ProfileError
+from mlx_moestream.trace import Trace
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 3
+
+
+def _session(path, **kwargs):
+    model, tokenizer = mlx_moestream.load(path, **kwargs)
+    text = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
+    return model, text
+
+
+def test_profile_counts_every_routed_token(tiny_model, tmp_path):
+    model, _ = _session(tiny_model("qwen3_moe"), budget="50%")
+    saved = Profile.load(mlx_moestream.save_profile(model, tmp_path / "p.json"))
+    stats = mlx_moestream.stats(model)
+    assert saved.tokens == stats["tokens"]
+    # top-2 routing: each layer routed every token to 2 experts
+    assert (saved.counts.sum(axis=1) == 2 * saved.tokens).all()
+    assert saved.model["model_type"] == "qwen3_moe"
+    assert json.loads((tmp_path / "p.json").read_text())["schema"] == "mlx-moestream-profile"
+
+
+def test_profile_save_is_atomic(tiny_model, tmp_path, monkeypatch):
+    model, _ = _session(tiny_model("qwen3_moe"), budget="50%")
+    target = tmp_path / "p.json"
+    target.write_text("previous")
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        mlx_moestream.save_profile(model, target)
+    assert target.read_text() == "previous"
+    assert os.listdir(tmp_path) == ["p.json"]
+
+
+def test_prewarm_loads_the_hottest_experts(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, _ = _session(path, budget="25%")
+    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    model, _ = mlx_moestream.load(path, budget="25%", profile=profile_path)
+    slot_of = model.moestream.caches[0].slot_of
+    resident = {(l, e) for l in range(2) for e in range(8) if slot_of[l, e] >= 0}
+    assert resident == set(Profile.load(profile_path).hottest(4))
+    assert mlx_moestream.stats(model)["prewarm"]["experts"] == 4
+
+
+def test_prewarm_raises_hit_rate_and_keeps_outputs_identical(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, text = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    warm, warm_text = _session(path, budget="50%", profile=profile_path)
+    assert warm_text == text
+    assert mlx_moestream.stats(warm)["hit_rate"] > mlx_moestream.stats(first)["hit_rate"]
+
+
+def test_prewarm_share_limits_the_warm_set(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, _ = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    model, _ = mlx_moestream.load(path, budget="50%", profile=profile_path, prewarm_share=0.5)
+    assert mlx_moestream.stats(model)["prewarm"]["experts"] == 4
+
+
+def test_profile_of_another_model_is_refused_naming_both(tiny_model, tmp_path):
+    qwen, _ = _session(tiny_model("qwen3_moe"), budget="50%")
+    profile_path = mlx_moestream.save_profile(qwen, tmp_path / "qwen.json")
+    with pytest.raises(ProfileError, match=r"recorded on qwen3_moe .* this model is mixtral"):
+        mlx_moestream.load(tiny_model("mixtral"), budget="50%", profile=profile_path)
+
+
+def test_profile_recorded_on_float_model_applies_to_its_quantized_version(tiny_model, tmp_path):
+    model, _ = _session(tiny_model("qwen3_moe"), budget="50%")
+    profile_path = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    quantized, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="50%",
+                                      profile=profile_path)
+    assert mlx_moestream.stats(quantized)["prewarm"]["experts"] > 0
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("{not json", "not a readable profile"),
+    ('{"schema": "other"}', "not an mlx-moestream profile"),
+    ('{"schema": "mlx-moestream-profile", "version": 1, "layers": []}', "malformed profile"),
+])
+def test_malformed_profile_is_a_clear_error(tmp_path, content, problem):
+    (tmp_path / "bad.json").write_text(content)
+    with pytest.raises(ProfileError, match=problem):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_unknown_profile_name_lists_where_it_looked(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProfileError, match="no profile named 'nowhere' .*looked in"):
+        mlx_moestream.load(tiny_model("qwen3_moe"), profile="nowhere")
+
+
+def test_trace_records_every_token_and_layer(tiny_model, tmp_path):
+    model, tokenizer = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%")
+    mlx_moestream.start_trace(model)
+    mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=8)
+    mlx_moestream.save_trace(model, tmp_path / "t.npz")
+    trace = Trace.load(tmp_path / "t.npz")
+    assert trace.experts.shape == (mlx_moestream.stats(model)["tokens"], 2, 2)
+    assert trace.num_experts == 8
+
+
+CLI = [sys.executable, "-m", "mlx_moestream.cli"]
+
+
+def _cli(*args, cwd):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_chat_saves_then_loads_a_profile_by_name(tiny_model, tmp_path):
+    (tmp_path / "profiles").mkdir()
+    model = tiny_model("qwen3_moe")
+    out = _cli("chat", "-m", model, "--prompt", PROMPT, "-n", 8, "-b", "50%",
+               "--profile", "save", "fox-chat", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "profiles" / "fox-chat.json").exists()
+    out = _cli("chat", "-m", model, "--prompt", PROMPT, "-n", 8, "-b", "50%",
+               "--profile", "load", "fox-chat", "--profile", "save", "fox-chat-2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "pre-warmed 8 experts from profile 'fox-chat'" in out.stdout
+    assert (tmp_path / "profiles" / "fox-chat-2.json").exists()
+
+
+def test_profile_cli_lists_shows_merges_and_diffs(tiny_model, tmp_path):
+    (tmp_path / "profiles").mkdir()
+    model = tiny_model("qwen3_moe")
+    for name, prompt in (("a", PROMPT), ("b", "def f(x): return x * 2")):
+        assert _cli("chat", "-m", model, "--prompt", prompt, "-n", 4, "--profile", "save", name,
+                    cwd=tmp_path).returncode == 0
+    listed = _cli("profile", "list", cwd=tmp_path).stdout
+    assert "a " in listed and "b " in listed
+    shown = _cli("profile", "show", "a", "--top", 2, cwd=tmp_path).stdout
+    assert "layer   0: top-2 carry" in shown
+    assert _cli("profile", "merge", "a", "b", "-o", "ab", cwd=tmp_path).returncode == 0
+    merged = Profile.load(tmp_path / "profiles" / "ab.json")
+    assert merged.tokens == sum(Profile.load(tmp_path / "profiles" / f"{n}.json").tokens
+                                for n in "ab")
+    diffed = _cli("profile", "diff", "a", "b", cwd=tmp_path).stdout
+    assert "JS div" in diffed and len(diffed.splitlines()) == 3
+
+
+def test_chat_trace_then_replay_reports_policy_lru_and_belady(tiny_model, tmp_path):
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 8,
+               "--trace", tmp_path / "t.npz", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    out = _cli("replay", tmp_path / "t.npz", "--policy", "wlfu", "--capacity", "0.25", "--json",
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["capacity"] == 4
+    assert result["belady_hit_rate"] >= max(result["hit_rate"], result["lru_hit_rate"])
+
+
+def test_replay_of_a_malformed_trace_is_a_clear_error(tmp_path):
+    np.savez(tmp_path / "bad.npz", experts=np.zeros((4, 2), np.int16))
+    out = _cli("replay", tmp_path / "bad.npz", cwd=tmp_path)
+    assert out.returncode != 0
+    assert "bad.npz" in out.stderr and "Traceback" not in out.stderr
