@@ -84,6 +84,10 @@ class ExpertCache:
         self.key_of_slot = np.full(num_slots, -1, np.int64)
         self.free = list(range(num_slots - 1, -1, -1))
         self.count = np.zeros(num_layers, np.int64)
+        self.pinned = np.zeros(num_layers * num_experts, np.bool_)
+        self.pinned_count = np.zeros(num_layers, np.int64)
+        self.any_pinned = False
+        self.per_layer = layer_slots is not None
         if isinstance(policy, str):
             new_policy = partial(make_policy, policy, num_keys=num_layers * num_experts)
         else:
@@ -99,7 +103,8 @@ class ExpertCache:
 
     def capacity(self, layer: int) -> int:
         """How many distinct experts one call of `layer` can have resident at once."""
-        return self.limit[layer]
+        pinned = self.pinned_count[layer] if self.per_layer else self.pinned_count.sum()
+        return self.limit[layer] - int(pinned)
 
     def request(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]]:
         """Make `experts` (distinct, at most `capacity(layer)`) resident.
@@ -110,6 +115,10 @@ class ExpertCache:
         stats = self.stats
         policy = self.policy_of[layer]
         keys = self.key_of[layer][experts]
+        if self.any_pinned:  # pinned keys are outside the policy
+            unpinned = ~self.pinned[keys]
+            keys, slots, experts = keys[unpinned], slots[unpinned], experts[unpinned]
+            stats.hits[layer] += int((~unpinned).sum())
         if min(slots.tolist(), default=0) >= 0:  # all resident: the hot path
             stats.hits[layer] += len(experts)
             policy.access(keys)
@@ -166,6 +175,17 @@ class ExpertCache:
         self.key_of_slot[slot] = key
         self.count[layer] += 1
         self.policy_of[layer].insert(key)
+
+    def pin(self, layer: int, expert: int) -> None:
+        """Keep a resident expert for good: it leaves its policy, so it is never a victim."""
+        key = int(self.key_of[layer, expert])
+        if self.slot_of[layer, expert] < 0:
+            raise ValueError(f"layer {layer} expert {expert} is not resident: cannot pin it")
+        if not self.pinned[key]:
+            self.policy_of[layer].remove(key)
+            self.pinned[key] = True
+            self.pinned_count[layer] += 1
+            self.any_pinned = True
 
     def seed(self, counts: dict[int, float]) -> None:
         """Start the policies' frequency state from a saved activation profile `{key: count}`."""

@@ -58,9 +58,14 @@ def main() -> None:
                    "profile on exit. Both may be given.")
 @click.option("--prewarm-share", type=click.FloatRange(0, 1), default=1.0, show_default=True,
               help="Share of the budget a loaded profile pre-warms.")
+@click.option("--pin-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of the budget a loaded profile's hottest experts hold for good.")
+@click.option("--per-layer", is_flag=True,
+              help="Split the budget per layer (by the loaded profile, else evenly).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Record the routing to this .npz trace on exit.")
-def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_share, trace_path):
+def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_share, pin_share,
+         per_layer, trace_path):
     """Chat with a model; tokens stream as generated, cache statistics follow each answer."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -74,9 +79,9 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     if len(to_load) > 1:
         raise click.UsageError("--profile load may be given once")
     try:
-        lm, tokenizer = loader.load(model, budget=budget, policy=policy)
-        if to_load:
-            loader.prewarm(lm, to_load[0], prewarm_share, progress=_progress)
+        lm, tokenizer = loader.load(model, budget, policy, to_load[0] if to_load else None,
+                                    prewarm_share=prewarm_share, pin_share=pin_share,
+                                    per_layer=per_layer, progress=_progress)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
     if trace_path:
@@ -147,7 +152,7 @@ def format_stats(s: dict, response=None) -> str:
     if s["prewarm"]:
         w = s["prewarm"]
         lines.append(f"pre-warmed {w['experts']} experts from profile '{w['profile']}' "
-                     f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms)")
+                     f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms), {w['pinned']} pinned")
     windows = s["hit_rate_windows"][-8:]
     if windows:
         lines.append("hit rate per window: " + " ".join(f"{w['hit_rate']:.0%}" for w in windows))

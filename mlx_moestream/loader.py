@@ -75,6 +75,9 @@ def load(
     profile: str | Path | Profile | None = None,
     *,
     prewarm_share: float = 1.0,
+    pin_share: float = 0.0,
+    per_layer: bool = False,
+    progress: Callable | None = None,
     revision: str | None = None,
     window_tokens: int = 32,
 ) -> tuple[nn.Module, TokenizerWrapper]:
@@ -83,30 +86,39 @@ def load(
     `budget` bounds resident expert bytes: bytes, `"8GB"`, `"512MiB"`, `"35%"` of all expert
     bytes, or `"auto"` (the default: everything that fits in free memory after the dense
     weights and a working reserve). `profile` (a name, a path or a `Profile`) pre-warms the
-    hottest experts of a saved workload into `prewarm_share` of the budget.
+    hottest experts of a saved workload into `prewarm_share` of the budget and pins the hottest
+    `pin_share` for good. `per_layer` splits the budget per layer (by the profile's per-layer
+    working set when one is given, else evenly) instead of sharing it across layers.
+    `progress(items, label)`, a context manager, may wrap the pre-warm reads (a progress bar).
     """
     if policy == "belady":
-        raise ValueError("policy 'belady' needs the future routing: it is for `replay` only")
+        raise ValueError("policy 'belady' needs the future routing: it is for replay only")
     path = resolve_model_path(model, revision)
     lazy_model, tokenizer, _, store, plan = load_lazy(path)
     budget_bytes = resolve_budget(
         "auto" if budget is None else budget, plan.expert_bytes, plan.dense_bytes, memory_bytes()
     )
-    runtime = Runtime(plan, store, budget_bytes, policy, window_tokens)
+    if profile is not None:
+        profile = _as_profile(profile)
+        profile.check_model(plan.identity)
+    weights = profile.working_set() if per_layer and profile is not None else None
+    runtime = Runtime(plan, store, budget_bytes, policy, window_tokens, per_layer, weights)
     runtime.attach(lazy_model)
     mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
     if profile is not None:
-        prewarm(lazy_model, profile, prewarm_share)
+        runtime.prewarm(profile, prewarm_share, pin_share, progress)
     return lazy_model, tokenizer
 
 
+def _as_profile(profile: str | Path | Profile) -> Profile:
+    return profile if isinstance(profile, Profile) else Profile.load(find_profile(str(profile)))
+
+
 def prewarm(model: nn.Module, profile: str | Path | Profile, share: float = 1.0,
-            progress: Callable | None = None) -> dict:
-    """Load a profile's hottest experts into `share` of the budget and seed the policy with its
-    counts. `progress(items, label)` may wrap the loads (e.g. a progress bar)."""
-    if not isinstance(profile, Profile):
-        profile = Profile.load(find_profile(str(profile)))
-    return runtime_of(model).prewarm(profile, share, progress)
+            pin_share: float = 0.0, progress: Callable | None = None) -> dict:
+    """Load a profile's hottest experts into `share` of the budget, pin the hottest `pin_share`
+    and seed the policy with its counts. `progress(items, label)` may wrap the loads."""
+    return runtime_of(model).prewarm(_as_profile(profile), share, pin_share, progress)
 
 
 def save_profile(model: nn.Module, name: str | Path, workload: str | None = None) -> Path:

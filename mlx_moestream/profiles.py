@@ -106,6 +106,12 @@ class Profile:
             picked.append((layer, expert))
         return picked
 
+    def working_set(self) -> np.ndarray:
+        """Per layer, the effective number of experts in use: 2 ** (routing entropy in bits)."""
+        p = self.counts / np.maximum(self.counts.sum(axis=1, keepdims=True), 1)
+        entropy = -np.where(p > 0, p * np.log2(np.where(p > 0, p, 1)), 0).sum(axis=1)
+        return 2.0**entropy
+
     def coverage(self, top_n: int) -> np.ndarray:
         """Per layer, the share of activations that the `top_n` most used experts carry."""
         top = np.sort(self.counts, axis=1)[:, ::-1][:, :top_n].sum(axis=1)

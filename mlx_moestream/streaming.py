@@ -25,7 +25,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .budget import BudgetError, format_bytes
-from .cache import ExpertCache
+from .cache import ExpertCache, split_slots
+from .policies import DEFAULT_POLICY
 from .profiles import Profile
 from .stats import Stats
 from .store import ExpertStore, StoreError
@@ -240,8 +241,11 @@ class StreamingExperts(nn.Module):
 class Runtime:
     """Owns the store, the slot pools, their caches and the statistics of one model."""
 
-    def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int, policy: str = "lru",
-                 window_tokens: int = 32):
+    def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int,
+                 policy: str = DEFAULT_POLICY, window_tokens: int = 32, per_layer: bool = False,
+                 layer_weights: np.ndarray | None = None):
+        """`per_layer` gives each layer its own share of a pool (`layer_weights`, e.g. from a
+        profile, or uniform) instead of one budget shared by all layers."""
         if budget_bytes < plan.min_budget_bytes:
             raise BudgetError(
                 f"budget {format_bytes(budget_bytes)} is below the minimum "
@@ -265,8 +269,19 @@ class Runtime:
         self.caches: list[ExpertCache] = []
         self.pool_of: list[int] = [0] * plan.num_layers
         for group, slots in zip(plan.pools(), plan.pool_slots(budget_bytes)):
+            layer_slots = None
+            if per_layer:
+                if slots < len(group) * plan.top_k:
+                    raise BudgetError(
+                        f"budget {format_bytes(budget_bytes)} gives {slots} slots: a per-layer "
+                        f"split needs top-{plan.top_k} for each of {len(group)} layers "
+                        f"({len(group) * plan.top_k} slots)"
+                    )
+                weights = np.ones(len(group)) if layer_weights is None else layer_weights[group]
+                layer_slots = split_slots(slots, weights, plan.top_k)
             self.pools.append(SlotPool(plan.layers[group[0]], slots))
-            self.caches.append(ExpertCache(slots, group, plan.num_experts, self.stats, policy))
+            self.caches.append(ExpertCache(slots, group, plan.num_experts, self.stats, policy,
+                                           layer_slots))
             for i in group:
                 self.pool_of[i] = len(self.pools) - 1
 
@@ -343,15 +358,20 @@ class Runtime:
     def slot_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
 
-    def prewarm(self, profile: Profile, share: float = 1.0, progress=None) -> dict:
+    def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
+                progress=None) -> dict:
         """Read a profile's hottest experts into free slots (up to `share` of each pool), in
-        file order, and seed the policies with its decayed counts; pins stay soft, since the
-        seeded counts decay like live ones. `progress(items, label)` is a context manager."""
+        file order, and seed the policies with its decayed counts: these pins are soft, the
+        seeded counts decay like live ones. The hottest `pin_share` of each pool is pinned for
+        good (leaving every layer room for one token's top-k). `progress(items, label)` is a
+        context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
-        picks = []
+        picks, pins = [], []
         for cache, group in zip(self.caches, self.plan.pools()):
             limits = [cache.capacity(l) if l in group else 0 for l in range(self.plan.num_layers)]
-            picks += profile.hottest(int(cache.num_slots * share) - cache.resident, limits)
+            hot = profile.hottest(int(cache.num_slots * share) - cache.resident, limits)
+            picks += hot
+            pins += _pinnable(hot, int(cache.num_slots * pin_share), cache, self.plan.top_k)
             cache.seed({int(cache.key_of[l, e]): float(profile.decayed[l, e])
                         for l in group for e in np.flatnonzero(profile.decayed[l])})
         picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
@@ -371,7 +391,10 @@ class Runtime:
                     raise
                 self.warm[layer] += 1
                 loaded += 1
-        self.prewarm_info = {"profile": profile.workload, "experts": loaded, "bytes": nbytes,
+        for layer, expert in pins:
+            self.caches[self.pool_of[layer]].pin(layer, expert)
+        self.prewarm_info = {"profile": profile.workload, "experts": loaded, "pinned": len(pins),
+                             "bytes": nbytes,
                              "read_ms": (time.perf_counter() - start) * 1e3,
                              "at_token": self.stats.tokens}
         return self.prewarm_info
@@ -395,6 +418,17 @@ class Runtime:
         for layer, warm in zip(out["layers"], self.warm.tolist()):
             layer["warm"] = warm
         return out
+
+
+def _pinnable(hot: list[tuple[int, int]], count: int, cache: ExpertCache, top_k: int) -> list:
+    """The first `count` of `hot` that still leave each partition room for top-k unpinned."""
+    pins, pinned = [], np.zeros(len(cache.count), np.int64)
+    for layer, expert in hot[:count]:
+        used = pinned[layer] if cache.per_layer else pinned.sum()
+        if used + 1 <= cache.limit[layer] - top_k:
+            pinned[layer] += 1
+            pins.append((layer, expert))
+    return pins
 
 
 def _get_path(root: nn.Module, path: str):

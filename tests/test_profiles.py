@@ -176,3 +176,27 @@ def test_replay_of_a_malformed_trace_is_a_clear_error(tmp_path):
     out = _cli("replay", tmp_path / "bad.npz", cwd=tmp_path)
     assert out.returncode != 0
     assert "bad.npz" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, text = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    model, tokenizer = mlx_moestream.load(path, budget="50%", profile=profile_path, pin_share=0.5)
+    cache = model.moestream.caches[0]
+    pinned = {(l, e) for l in range(2) for e in range(8) if cache.pinned[l * 8 + e]}
+    assert len(pinned) == 4
+    slots = {key: cache.slot_of[key] for key in pinned}
+    assert mlx_lm.generate(model, tokenizer, "def f(x): return [x] * 9 " * 4, max_tokens=16)
+    assert mlx_moestream.stats(model)["evictions"] > 0
+    assert {key: cache.slot_of[key] for key in pinned} == slots
+
+
+def test_per_layer_split_follows_the_profile_and_stays_exact(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, text = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    model, tokenizer = mlx_moestream.load(path, budget="50%", profile=profile_path, per_layer=True)
+    limits = model.moestream.caches[0].limit
+    assert sum(limits.values()) == 8 and min(limits.values()) >= 2
+    assert mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16) == text

@@ -126,3 +126,17 @@ def test_experts_are_not_model_parameters(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="25%")
     names = [n for n, _ in tree_flatten(model.parameters())]
     assert not any("switch_mlp" in n for n in names)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru", "wlfu"])
+def test_every_policy_keeps_logits_exact(tiny_model, reference, policy, per_layer):
+    path = tiny_model("gpt_oss", bits=4)
+    model, _ = mlx_moestream.load(path, budget="50%", policy=policy, per_layer=per_layer)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+    assert mlx_moestream.stats(model)["policy"] == policy
+
+
+def test_belady_is_refused_live(tiny_model):
+    with pytest.raises(ValueError, match="belady.*replay only"):
+        mlx_moestream.load(tiny_model("qwen3_moe"), policy="belady")
