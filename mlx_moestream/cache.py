@@ -138,6 +138,23 @@ class ExpertCache:
             loads.append((expert, slot))
         return loads
 
+    def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]) -> list[tuple[int, int]]:
+        """Make predicted `experts` resident ahead of need, through the policy like any load.
+
+        Counts no hit or miss and leaves resident experts untouched; never evicts a key in
+        `protected` (those a pending computation still reads). Returns the loads to issue.
+        """
+        experts = experts[self.slot_of[layer][experts] < 0]
+        keys = self.key_of[layer][experts]
+        protected = protected | set(keys.tolist())
+        policy = self.policy_of[layer]
+        loads = []
+        for expert, key in zip(experts.tolist(), keys.tolist()):
+            slot = self._take_slot(layer, policy, protected)
+            self._place(layer, expert, key, slot)
+            loads.append((expert, slot))
+        return loads
+
     def _take_slot(self, layer: int, policy: Policy, protected: set[int]) -> int:
         if self.free and self.count[layer] < self.limit[layer]:
             return self.free.pop()

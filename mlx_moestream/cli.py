@@ -62,10 +62,12 @@ def main() -> None:
               help="Share of the budget a loaded profile's hottest experts hold for good.")
 @click.option("--per-layer", is_flag=True,
               help="Split the budget per layer (by the loaded profile, else evenly).")
+@click.option("--prefetch", is_flag=True,
+              help="Predict each next layer's experts and read them during compute.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Record the routing to this .npz trace on exit.")
 def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_share, pin_share,
-         per_layer, trace_path):
+         per_layer, prefetch, trace_path):
     """Chat with a model; tokens stream as generated, cache statistics follow each answer."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -81,7 +83,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     try:
         lm, tokenizer = loader.load(model, budget, policy, to_load[0] if to_load else None,
                                     prewarm_share=prewarm_share, pin_share=pin_share,
-                                    per_layer=per_layer, progress=_progress)
+                                    per_layer=per_layer, prefetch=prefetch, progress=_progress)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
     if trace_path:
@@ -153,6 +155,10 @@ def format_stats(s: dict, response=None) -> str:
         w = s["prewarm"]
         lines.append(f"pre-warmed {w['experts']} experts from profile '{w['profile']}' "
                      f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms), {w['pinned']} pinned")
+    if s["prefetch_loads"]:
+        lines.append(f"prefetch: {s['prefetch_loads']} reads, {s['prefetch_used']} used; "
+                     f"prediction precision {s['prediction_precision']:.0%}, recall "
+                     f"{s['prediction_recall']:.0%}; stalled {s['stall_ms']:.0f} ms")
     windows = s["hit_rate_windows"][-8:]
     if windows:
         lines.append("hit rate per window: " + " ".join(f"{w['hit_rate']:.0%}" for w in windows))

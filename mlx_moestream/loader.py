@@ -47,9 +47,10 @@ def resolve_model_path(model: str | Path, revision: str | None = None) -> Path:
         ) from None
 
 
-def load_lazy(path: Path) -> tuple[nn.Module, TokenizerWrapper, dict, ExpertStore, ModelPlan]:
+def load_lazy(path: Path, drop_page_cache: bool = True
+              ) -> tuple[nn.Module, TokenizerWrapper, dict, ExpertStore, ModelPlan]:
     """Index the files, then build the model without reading any weight."""
-    store = ExpertStore(path)
+    store = ExpertStore(path, drop_page_cache)
     try:
         model, tokenizer, config = mlx_lm_load(str(path), lazy=True, return_config=True)
     except (ValueError, KeyError, FileNotFoundError) as e:
@@ -77,6 +78,8 @@ def load(
     prewarm_share: float = 1.0,
     pin_share: float = 0.0,
     per_layer: bool = False,
+    prefetch: bool = False,
+    drop_page_cache: bool = True,
     progress: Callable | None = None,
     revision: str | None = None,
     window_tokens: int = 32,
@@ -89,12 +92,15 @@ def load(
     hottest experts of a saved workload into `prewarm_share` of the budget and pins the hottest
     `pin_share` for good. `per_layer` splits the budget per layer (by the profile's per-layer
     working set when one is given, else evenly) instead of sharing it across layers.
+    `prefetch` predicts each next layer's experts with its router and reads them while the
+    current layer computes (outputs never change: routing is always the real router's).
+    `drop_page_cache` keeps the OS from caching expert reads on top of the budget.
     `progress(items, label)`, a context manager, may wrap the pre-warm reads (a progress bar).
     """
     if policy == "belady":
         raise ValueError("policy 'belady' needs the future routing: it is for replay only")
     path = resolve_model_path(model, revision)
-    lazy_model, tokenizer, _, store, plan = load_lazy(path)
+    lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
     budget_bytes = resolve_budget(
         "auto" if budget is None else budget, plan.expert_bytes, plan.dense_bytes, memory_bytes()
     )
@@ -102,7 +108,8 @@ def load(
         profile = _as_profile(profile)
         profile.check_model(plan.identity)
     weights = profile.working_set() if per_layer and profile is not None else None
-    runtime = Runtime(plan, store, budget_bytes, policy, window_tokens, per_layer, weights)
+    runtime = Runtime(plan, store, budget_bytes, policy, window_tokens, per_layer, weights,
+                      prefetch)
     runtime.attach(lazy_model)
     mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
     if profile is not None:

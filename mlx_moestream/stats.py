@@ -24,6 +24,15 @@ class Stats:
         self.evictions = np.zeros(n, np.int64)
         self.bytes_read = np.zeros(n, np.int64)
         self.read_seconds = np.zeros(n, np.float64)
+        self.stall_seconds = np.zeros(n, np.float64)  # the forward pass waiting for reads
+        self.syncs = 0  # host synchronizations (one per routing, one per prediction)
+        # Prefetch: predicted experts vs. the routed ones, and prefetch loads that were used.
+        self.predicted = np.zeros(n, np.int64)
+        self.predicted_routed = np.zeros(n, np.int64)
+        self.routed_scored = np.zeros(n, np.int64)
+        self.prefetch_loads = np.zeros(n, np.int64)
+        self.prefetch_used = np.zeros(n, np.int64)
+        self.read_errors = 0
         self.seen = np.zeros((n, num_experts), np.bool_)
         # Tokens routed to each expert, raw and halved every `half_life_tokens`: what a profile saves.
         self.activations = np.zeros((n, num_experts), np.int64)
@@ -67,6 +76,11 @@ class Stats:
             "read_ms": float(self.read_seconds[i] * 1e3),
             "unique_experts": int(self.seen[i].sum()),
             "hit_rate": _rate(self.hits[i], self.misses[i]),
+            "stall_ms": float(self.stall_seconds[i] * 1e3),
+            "prefetch_loads": int(self.prefetch_loads[i]),
+            "prefetch_used": int(self.prefetch_used[i]),
+            "prediction_precision": _ratio(self.predicted_routed[i], self.predicted[i]),
+            "prediction_recall": _ratio(self.predicted_routed[i], self.routed_scored[i]),
         }
 
     def as_dict(self) -> dict:
@@ -81,6 +95,14 @@ class Stats:
             "bytes_read": int(self.bytes_read.sum()),
             "read_ms": float(self.read_seconds.sum() * 1e3),
             "unique_experts": int(self.seen.sum()),
+            "stall_ms": float(self.stall_seconds.sum() * 1e3),
+            "syncs": self.syncs,
+            "syncs_per_token": self.syncs / self.tokens if self.tokens else 0.0,
+            "prefetch_loads": int(self.prefetch_loads.sum()),
+            "prefetch_used": int(self.prefetch_used.sum()),
+            "prediction_precision": _ratio(self.predicted_routed.sum(), self.predicted.sum()),
+            "prediction_recall": _ratio(self.predicted_routed.sum(), self.routed_scored.sum()),
+            "read_errors": self.read_errors,
             "hit_rate_windows": list(self.windows),
             "layers": [self.layer(i) for i in range(len(self.layer_names))],
         }
@@ -89,6 +111,10 @@ class Stats:
 def _rate(hits, misses) -> float:
     total = hits + misses
     return float(hits / total) if total else 0.0
+
+
+def _ratio(part, whole) -> float | None:
+    return float(part / whole) if whole else None
 
 
 def _window(start: int, end: int, hits: int, misses: int) -> dict:

@@ -5,6 +5,7 @@ Plain Python and numpy (no mlx), so any backend can stream from the same store.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import struct
@@ -124,8 +125,12 @@ class ExpertTensor:
 class ExpertStore:
     """Index of every shard of a model directory; reads one expert's tensors into given buffers."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, drop_page_cache: bool = True):
+        """`drop_page_cache`: after each read, tell the OS not to keep the pages (Linux
+        POSIX_FADV_DONTNEED, macOS F_NOCACHE), so cached file pages do not quietly add a second
+        copy of the experts on top of the budget."""
         self.model_dir = Path(model_dir)
+        self.drop_page_cache = drop_page_cache
         self.files = weight_files(self.model_dir)
         self.tensors: dict[str, TensorInfo] = {}
         for i, path in enumerate(self.files):
@@ -191,6 +196,9 @@ class ExpertStore:
     def open(self) -> None:
         if self._fds is None:
             self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
+            if self.drop_page_cache and hasattr(fcntl, "F_NOCACHE"):  # macOS
+                for fd in self._fds:
+                    fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
 
     def close(self) -> None:
         for fd in self._fds or ():
@@ -218,6 +226,8 @@ class ExpertStore:
                         f"expert {expert} at byte {offset + got}: {why}"
                     )
                 got += n
+            if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fds[t.file], offset, t.nbytes, os.POSIX_FADV_DONTNEED)
             total += t.nbytes
         return total
 

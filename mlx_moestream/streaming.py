@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from functools import partial
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -207,11 +209,15 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "runtime", runtime)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        runtime = self.runtime
         ids = np.array(indices)  # host sync: the routing decides what must be read
-        slots = self.runtime.route(self.layer, ids)
-        if slots is not None:
-            return self.inner(x, mx.array(slots))
-        return self._rounds(x, ids)
+        slots = runtime.route(self.layer, ids)
+        if slots is None:
+            return self._rounds(x, ids)
+        y = self.inner(x, mx.array(slots))
+        if runtime.prefetch:
+            runtime.prefetch_next(self.layer, x)
+        return y
 
     def _rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
         """More distinct experts than the layer may hold: compute them a slot-pool at a time."""
@@ -243,9 +249,11 @@ class Runtime:
 
     def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int,
                  policy: str = DEFAULT_POLICY, window_tokens: int = 32, per_layer: bool = False,
-                 layer_weights: np.ndarray | None = None):
+                 layer_weights: np.ndarray | None = None, prefetch: bool = False,
+                 io_threads: int = 4):
         """`per_layer` gives each layer its own share of a pool (`layer_weights`, e.g. from a
-        profile, or uniform) instead of one budget shared by all layers."""
+        profile, or uniform) instead of one budget shared by all layers. `prefetch` predicts
+        each next layer's experts with its router and reads the misses in the background."""
         if budget_bytes < plan.min_budget_bytes:
             raise BudgetError(
                 f"budget {format_bytes(budget_bytes)} is below the minimum "
@@ -257,6 +265,13 @@ class Runtime:
         self.budget_bytes = budget_bytes
         self.policy = policy
         self.recorder = None  # a trace.TraceRecorder while recording routing
+        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
+        self.prefetch = prefetch
+        self.routers: list = [None] * plan.num_layers  # set by attach() when prefetching
+        self.inflight: list[tuple[int, int, Future]] = []  # (layer, expert, read) of prefetches
+        self.predicted: dict[int, np.ndarray] = {}  # layer -> experts predicted for its next call
+        self.prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next call
+        self._current: set[int] = set()  # keys the pending computation of the last call reads
         self.prewarm_info: dict | None = None
         self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
         self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
@@ -292,7 +307,9 @@ class Runtime:
             for name, array in pool.arrays.items():
                 _set_path(layer.module, name, array)
             parent_path, attr = layer.path.rsplit(".", 1)
-            setattr(_get_path(model, parent_path), attr, StreamingExperts(layer.module, i, self))
+            parent = _get_path(model, parent_path)
+            setattr(parent, attr, StreamingExperts(layer.module, i, self))
+            self.routers[i] = _router(parent, layer.num_experts)
         model.moestream = self
 
     def capacity(self, layer: int) -> int:
@@ -311,6 +328,9 @@ class Runtime:
 
     def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
         """Slots for routed `ids`, loading misses; None when the call needs more than fit."""
+        self.stats.syncs += 1
+        if self.inflight:
+            self._settle(layer)
         if layer == 0:
             tokens = ids.size // ids.shape[-1]
             self.stats.tick(tokens)
@@ -321,9 +341,13 @@ class Runtime:
         if self.recorder is not None:
             self.recorder.record(layer, masked.reshape(-1, masked.shape[-1]))
         experts = np.unique(ids)
+        if layer in self.predicted:
+            self._score_prediction(layer, experts)
         if len(experts) > self.capacity(layer):
             return None
-        return self.request(layer, experts, ids)
+        slots = self.request(layer, experts, ids)
+        self._current = set((layer * self.plan.num_experts + experts).tolist())
+        return slots
 
     def request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`)."""
@@ -333,21 +357,77 @@ class Runtime:
             self._load(layer, cache, loads)
         return cache.slot_of[layer][ids]
 
-    def _load(self, layer: int, cache: ExpertCache, loads: list[tuple[int, int]]) -> None:
+    def _read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
+        start = time.perf_counter()
         pool = self.pools[self.pool_of[layer]]
-        store_layer = self.store_layer[layer]
-        stats = self.stats
-        for n, (expert, slot) in enumerate(loads):
-            start = time.perf_counter()
+        nbytes = self.store.read_expert(self.store_layer[layer], expert, pool.slot(slot))
+        return nbytes, time.perf_counter() - start
+
+    def _count_read(self, layer: int, nbytes: int, seconds: float) -> None:
+        self.stats.read_seconds[layer] += seconds
+        self.stats.bytes_read[layer] += nbytes
+        self.stats.loads[layer] += 1
+
+    def _load(self, layer: int, cache: ExpertCache, loads: list[tuple[int, int]]) -> None:
+        """Read the missing experts of a call, concurrently when there are several."""
+        start = time.perf_counter()
+        reads = [partial(self._read, layer, e, s) for e, s in loads]
+        if len(reads) > 1:
+            reads = [self.io.submit(read).result for read in reads]
+        failed = None
+        for (expert, _), read in zip(loads, reads):
             try:
-                nbytes = self.store.read_expert(store_layer, expert, pool.slot(slot))
+                self._count_read(layer, *read())
+            except StoreError as e:
+                cache.discard(layer, expert)
+                failed = failed or e
+        self.stats.stall_seconds[layer] += time.perf_counter() - start
+        if failed:
+            self.stats.read_errors += 1
+            raise failed
+
+    def prefetch_next(self, layer: int, x: mx.array) -> None:
+        """Predict the next layer's experts with its own router applied to this layer's input,
+        and start reading the predicted misses; the pending computation's experts stay."""
+        nxt = layer + 1
+        if nxt >= self.plan.num_layers or self.routers[nxt] is None:
+            return
+        k = self.plan.top_k
+        logits = self.routers[nxt](x)
+        top = np.array(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])  # host sync
+        self.stats.syncs += 1
+        predicted = np.unique(top)
+        self.predicted[nxt] = predicted
+        cache = self.caches[self.pool_of[nxt]]
+        if len(predicted) + len(self._current) > cache.capacity(nxt):
+            return
+        loads = cache.prefetch(nxt, predicted, self._current)
+        self.prefetched[nxt] = {e for e, _ in loads}
+        self.inflight += [(nxt, e, self.io.submit(self._read, nxt, e, s)) for e, s in loads]
+
+    def _settle(self, layer: int) -> None:
+        """Wait for in-flight prefetches before any slot may be reused; a failed one is
+        forgotten, so a real need reads it again and reports the error."""
+        start = time.perf_counter()
+        for owner, expert, read in self.inflight:
+            try:
+                self._count_read(owner, *read.result())
+                self.stats.prefetch_loads[owner] += 1
             except StoreError:
-                for failed, _ in loads[n:]:
-                    cache.discard(layer, failed)
-                raise
-            stats.read_seconds[layer] += time.perf_counter() - start
-            stats.bytes_read[layer] += nbytes
-            stats.loads[layer] += 1
+                self.caches[self.pool_of[owner]].discard(owner, expert)
+                self.prefetched.get(owner, set()).discard(expert)
+                self.stats.read_errors += 1
+        self.inflight = []
+        self.stats.stall_seconds[layer] += time.perf_counter() - start
+
+    def _score_prediction(self, layer: int, experts: np.ndarray) -> None:
+        predicted = self.predicted.pop(layer)
+        routed = set(experts.tolist())
+        stats = self.stats
+        stats.predicted[layer] += len(predicted)
+        stats.routed_scored[layer] += len(routed)
+        stats.predicted_routed[layer] += len(routed.intersection(predicted.tolist()))
+        stats.prefetch_used[layer] += len(routed & self.prefetched.pop(layer, set()))
 
     @property
     def resident_bytes(self) -> int:
@@ -429,6 +509,19 @@ def _pinnable(hot: list[tuple[int, int]], count: int, cache: ExpertCache, top_k:
             pinned[layer] += 1
             pins.append((layer, expert))
     return pins
+
+
+def _router(block: nn.Module, num_experts: int):
+    """The routing logits of a MoE block (its Linear with one output per expert), or None."""
+    for name, child in block.children().items():
+        if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
+            out = child.weight.shape[0]
+            if out == num_experts:
+                return child
+        weight = getattr(child, "weight", None) if isinstance(child, nn.Module) else None
+        if isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts:
+            return lambda x, w=weight: x @ w.T
+    return None
 
 
 def _get_path(root: nn.Module, path: str):

@@ -104,3 +104,25 @@ def test_budget_below_minimum_states_the_minimum(tiny_model):
 def test_unknown_policy_is_rejected(tiny_model):
     with pytest.raises(ValueError, match="unknown policy 'mru'"):
         mlx_moestream.load(tiny_model("qwen3_moe"), policy="mru")
+
+
+def test_read_error_names_file_and_expert_and_the_session_continues(model_copy):
+    import mlx.core as mx
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget="100%")
+    experts = model.model.layers[1].mlp.switch_mlp
+    shard = path / "model.safetensors"
+    size = shard.stat().st_size
+    store = model.moestream.store
+    tensor = store.layers[1][-1]
+    with open(shard, "r+b") as f:  # cut the file inside layer 1's expert 7
+        f.truncate(int(tensor.offsets[7]))
+    x = mx.ones((1, 1, 64))
+    with pytest.raises(StoreError, match=r"model\.safetensors: cannot read '.*' of layer 1 expert 7"):
+        mx.eval(experts(x, mx.array([[[7, 0]]])))
+    mx.eval(experts(x, mx.array([[[0, 1]]])))  # experts still on disk keep working
+    stats = mlx_moestream.stats(model)
+    assert model.moestream.caches[0].slot_of[1, 7] == -1
+    assert stats["read_errors"] == 1
+    assert size > shard.stat().st_size

@@ -140,3 +140,15 @@ def test_every_policy_keeps_logits_exact(tiny_model, reference, policy, per_laye
 def test_belady_is_refused_live(tiny_model):
     with pytest.raises(ValueError, match="belady.*replay only"):
         mlx_moestream.load(tiny_model("qwen3_moe"), policy="belady")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_prefetch_keeps_logits_exact_and_is_scored(tiny_model, reference, arch):
+    path = tiny_model(arch, bits=4)
+    model, _ = mlx_moestream.load(path, budget="50%", prefetch=True)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+    stats = mlx_moestream.stats(model)
+    assert stats["prefetch_loads"] > 0
+    assert 0 < stats["prediction_precision"] <= 1 and 0 < stats["prediction_recall"] <= 1
+    assert stats["prefetch_used"] <= stats["prefetch_loads"]
+    assert stats["resident_bytes"] <= stats["budget_bytes"]
