@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -327,6 +328,35 @@ def profile_diff(first, second, top):
     click.echo(f"{'layer':>5} {'JS div (bits)':>14} {f'top-{top} overlap':>15}")
     for r in rows:
         click.echo(f"{r['layer']:>5} {r['js_divergence']:>14.3f} {r['top_overlap']:>15.0%}")
+
+
+@main.command()
+@model_option
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Where to write (default: MODEL/moestream-experts, used automatically).")
+@click.option("--verify", "verify_only", is_flag=True, help="Only check an existing copy's checksums.")
+def repack(model, out, verify_only):
+    """Write an expert-major copy of the experts: one page-aligned read per expert."""
+    from . import repack as rp
+    from .loader import resolve_model_path
+    from .store import REPACK_DIR
+
+    if model is None:
+        raise click.UsageError(MODEL_REQUIRED)
+    try:
+        path = resolve_model_path(model)
+        folder = Path(out) if out else path / REPACK_DIR
+        if verify_only:
+            problems = rp.verify(folder)
+            for problem in problems:
+                click.echo(problem, err=True)
+            if problems:
+                raise click.ClickException(f"{len(problems)} expert blocks do not match")
+            click.echo(f"{folder}: every expert block matches its checksum")
+            return
+        click.echo(rp.repack(path, out, progress=_progress))
+    except (ValueError, OSError) as e:
+        _fail(e)
 
 
 if __name__ == "__main__":

@@ -201,38 +201,47 @@ class SLRU(Policy):
         _add_counts(self.count, counts)
 
 
+class Future:
+    """The keys a replay will pass to `access`/`insert`, in order (each call's distinct keys),
+    indexed so that the next use of a key is one lookup. One `Future` serves every `Belady` of a
+    replay (one per layer with a per-layer partition)."""
+
+    def __init__(self, keys: np.ndarray, num_keys: int):
+        keys = np.asarray(keys, np.int64)
+        n = len(keys)
+        self.keys = np.append(keys, -1)
+        # next_at[i]: position of the next use of keys[i], n if none; first_at[key]: its first use
+        self.next_at = np.full(n + 1, n, np.int64)
+        self.first_at = np.full(num_keys, n, np.int64)
+        order = np.argsort(keys, kind="stable")
+        same = keys[order[1:]] == keys[order[:-1]]
+        self.next_at[order[:-1][same]] = order[1:][same]
+        starts = order[np.append(True, ~same)] if n else order
+        self.first_at[keys[starts]] = starts
+
+
 class Belady(Policy):
     """Belady's offline optimum: evicts the resident key whose next use is farthest away, keys
-    never used again first. Replay only: `future` is every key in the order the cache will pass
-    them to `access`/`insert` (for each call its distinct keys), which replay builds from a trace.
+    never used again first. Replay only: `future` (a `Future`, or the key sequence to build one)
+    must be exactly the keys the cache will pass to `access` and `insert`, in order.
     """
 
-    def __init__(self, capacity: int, num_keys: int, future: np.ndarray | None = None):
+    def __init__(self, capacity: int, num_keys: int, future: Future | np.ndarray | None = None):
         super().__init__(capacity, num_keys)
         if future is None:
             raise ValueError("belady is offline: it needs the future access sequence (use replay)")
-        future = np.asarray(future, np.int64)
-        n = len(future)
-        # next_at[i]: position of the next use of future[i], n if none; first_at[key]: first use.
-        self.future = np.append(future, -1)
-        self.next_at = np.full(n + 1, n, np.int64)
-        self.first_at = np.full(num_keys, n, np.int64)
-        order = np.argsort(future, kind="stable")
-        same = future[order[1:]] == future[order[:-1]]
-        self.next_at[order[:-1][same]] = order[1:][same]
-        starts = order[np.append(True, ~same)]
-        self.first_at[future[starts]] = starts
-        self.at = np.full(num_keys, -1, np.int64)  # position of the key's latest use so far
-        self.next_use = np.full(num_keys, float(n))
+        self.future = future if isinstance(future, Future) else Future(future, num_keys)
+        self.at = np.full(num_keys, -1, np.int64)  # position in the future of the latest use
+        self.next_use = np.full(num_keys, float(len(self.future.keys)))
         self.resident = _Resident(num_keys)
 
     def _use(self, key: int) -> None:
-        at = self.at[key]
-        at = self.first_at[key] if at < 0 else self.next_at[at]
-        if self.future[at] != key:
+        future, at = self.future, self.at[key]
+        at = future.first_at[key] if at < 0 else future.next_at[at]
+        if future.keys[at] != key:
             raise RuntimeError(f"key {key} is used out of the order belady was given")
         self.at[key] = at
-        self.next_use[key] = self.next_at[at]
+        self.next_use[key] = future.next_at[at]
 
     def access(self, keys: np.ndarray) -> None:
         for key in keys.tolist():
@@ -302,7 +311,7 @@ class _Resident:
         """Drop and return the key of least `score` (one float per `active` key, overwritten),
         skipping `protected`; among equal scores the least `tie[key]`. None if all are protected."""
         if protected:
-            at = self.pos[np.fromiter(protected, np.int64, len(protected))]
+            at = self.pos[list(protected)]
             score[at[at >= 0]] = np.inf
         if not len(score):
             return None
@@ -310,7 +319,7 @@ class _Resident:
         if score[i] == np.inf:
             return None
         if tie is not None:
-            equal = np.flatnonzero(score == score[i])
+            equal = (score == score[i]).nonzero()[0]
             if len(equal) > 1:
                 i = int(equal[tie[self.keys[equal]].argmin()])
         key = int(self.keys[i])

@@ -127,6 +127,7 @@ def _describe(model: dict) -> str:
 def atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes files private; these are shareable documents
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .cache import ExpertCache, split_slots
-from .policies import Belady, Policy
+from .policies import Belady, Future, Policy
 from .stats import Stats
 from .trace import Trace
 
@@ -53,11 +54,12 @@ def replay(
     None if that never happens.
     """
     slots = capacity_slots(trace, capacity, per_layer)
-    result = _summary(trace, policy, slots, per_layer, seed_counts, window_tokens)
+    prepared = _Prepared(trace)
+    result = _summary(prepared, policy, slots, per_layer, seed_counts, window_tokens)
     baselines = {name: result for name in ("lru", "belady") if result["policy"] == name}
     for name in ("lru", "belady"):
         if name not in baselines:
-            baselines[name] = _summary(trace, name, slots, per_layer, None, window_tokens)
+            baselines[name] = _summary(prepared, name, slots, per_layer, None, window_tokens)
     return _with_baselines(result, baselines)
 
 
@@ -70,18 +72,19 @@ def sweep(
     window_tokens: int = 32,
 ) -> list[dict]:
     """`replay` of every policy at every capacity; LRU and Belady run once per capacity."""
+    slots_of = [capacity_slots(trace, capacity, per_layer) for capacity in capacities]
+    prepared = _Prepared(trace)
     results = []
-    for capacity in capacities:
-        slots = capacity_slots(trace, capacity, per_layer)
+    for slots in slots_of:
         baselines = {
-            name: _summary(trace, name, slots, per_layer, None, window_tokens)
+            name: _summary(prepared, name, slots, per_layer, None, window_tokens)
             for name in ("lru", "belady")
         }
         for policy in policies:
             if isinstance(policy, str) and policy in baselines:
                 result = baselines[policy]
             else:
-                result = _summary(trace, policy, slots, per_layer, seed_counts, window_tokens)
+                result = _summary(prepared, policy, slots, per_layer, seed_counts, window_tokens)
             results.append(_with_baselines(result, baselines))
     return results
 
@@ -143,26 +146,29 @@ def _splits(per_layer) -> bool:
     return not isinstance(per_layer, bool) or per_layer
 
 
-def _requests(trace: Trace) -> tuple[list[np.ndarray], np.ndarray]:
-    """Each (token, layer)'s distinct experts, token-major, and the key sequence they make."""
-    ids = np.sort(trace.experts.astype(np.int64), axis=2)
-    valid = ids >= 0
-    valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]
-    sizes = valid.sum(axis=2).ravel()
-    requests = np.split(ids[valid], np.cumsum(sizes)[:-1])
-    layer = np.broadcast_to(np.arange(trace.layers)[None, :, None], ids.shape)
-    future = (layer * trace.num_experts + ids)[valid]
-    return requests, future
+class _Prepared:
+    """A trace as the replay loop consumes it, computed once for all runs over it."""
+
+    def __init__(self, trace: Trace):
+        ids = np.sort(trace.experts.astype(np.int64), axis=2)
+        valid = ids >= 0
+        valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]  # distinct experts of each (token, layer)
+        sizes = valid.sum(axis=2)
+        self.trace = trace
+        self.requests = np.split(ids[valid], np.cumsum(sizes.ravel())[:-1])  # token-major
+        self.accesses = sizes.sum(axis=1)  # per token
+        layer = np.arange(trace.layers)[None, :, None]
+        self.future = Future((layer * trace.num_experts + ids)[valid],
+                             trace.layers * trace.num_experts)
 
 
-def _run(trace: Trace, policy: PolicySpec, slots: int, per_layer, seed_counts) -> tuple:
-    """Replay once: (stats, hits per token, accesses per token, name of the policy)."""
-    requests, future = _requests(trace)
+def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, seed_counts) -> tuple:
+    """Replay once: (stats, hits per token, name of the policy)."""
+    trace = prepared.trace
     layers, num_experts = trace.layers, trace.num_experts
-    num_keys = layers * num_experts
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
     if policy == "belady":
-        policy = lambda capacity: Belady(capacity, num_keys, future)  # noqa: E731
+        policy = partial(Belady, num_keys=layers * num_experts, future=prepared.future)
     layer_slots = None
     if _splits(per_layer):
         weights = np.ones(layers) if isinstance(per_layer, bool) else per_layer
@@ -172,20 +178,19 @@ def _run(trace: Trace, policy: PolicySpec, slots: int, per_layer, seed_counts) -
     if seed_counts:
         cache.seed(seed_counts)
     hits = np.zeros(trace.tokens, np.int64)
-    request, tick, total_hits = cache.request, cache.tick, stats.hits
+    request, tick, requests, total_hits = cache.request, cache.tick, prepared.requests, stats.hits
     for t in range(trace.tokens):
         tick(1)
         for layer, experts in enumerate(requests[t * layers : (t + 1) * layers]):
             if len(experts):
                 request(layer, experts)
         hits[t] = total_hits.sum()
-    hits = np.diff(hits, prepend=0)
-    accesses = np.array([len(r) for r in requests]).reshape(trace.tokens, layers).sum(axis=1)
-    return stats, hits, accesses, name
+    return stats, np.diff(hits, prepend=0), name
 
 
-def _summary(trace, policy, slots, per_layer, seed_counts, window_tokens) -> dict:
-    stats, hits, accesses, name = _run(trace, policy, slots, per_layer, seed_counts)
+def _summary(prepared: _Prepared, policy, slots, per_layer, seed_counts, window_tokens) -> dict:
+    trace = prepared.trace
+    stats, hits, name = _run(prepared, policy, slots, per_layer, seed_counts)
     total = stats.as_dict()
     out = {
         "policy": name,
@@ -202,7 +207,7 @@ def _summary(trace, policy, slots, per_layer, seed_counts, window_tokens) -> dic
         "hit_rate": total["hit_rate"],
     }
     if trace.segment_id is not None:
-        out["segments"] = _segments(hits, accesses, trace.segment_id, window_tokens)
+        out["segments"] = _segments(hits, prepared.accesses, trace.segment_id, window_tokens)
         out["recovery_tokens"] = [s["recovery_tokens"] for s in out["segments"][1:]]
     return out
 

@@ -6,9 +6,11 @@ Plain Python and numpy (no mlx), so any backend can stream from the same store.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,10 @@ PER_EXPERT_NAMES = {
     "fc1": ("fc1",),
     "fc2": ("fc2",),
 }
+
+
+REPACK_DIR = "moestream-experts"
+REPACK_SCHEMA = "mlx-moestream-repack"
 
 
 class StoreError(ValueError):
@@ -112,12 +118,47 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def source_digest(files: list[Path]) -> list[dict]:
+    """Name, size and header hash of each shard: what a repacked copy must still match."""
+    out = []
+    for path in files:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = f.read(n)
+        out.append({"file": path.name, "bytes": path.stat().st_size,
+                    "header_sha256": hashlib.sha256(header).hexdigest()})
+    return out
+
+
+def manifest_checksum(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_manifest(folder: Path, files: list[Path]) -> dict:
+    """A repacked copy's manifest, checked at open: its own checksum, the size of experts.bin,
+    and that the model's shards are still the ones it was made from."""
+    path = folder / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise StoreError(f"{path}: unreadable repack manifest ({e})") from None
+    if manifest.get("schema") != REPACK_SCHEMA or manifest.get("checksum") != manifest_checksum(manifest):
+        raise StoreError(f"{path}: corrupt repack manifest (checksum mismatch)")
+    binary = folder / "experts.bin"
+    if not binary.exists() or binary.stat().st_size != manifest["bin_bytes"]:
+        raise StoreError(f"{binary}: missing or not {manifest['bin_bytes']} bytes")
+    if manifest["source"] != source_digest(files):
+        raise StoreError(f"{path}: made from other model files (repack again)")
+    return manifest
+
+
 @dataclass
 class ExpertTensor:
-    """One per-expert tensor of a layer (e.g. `gate_proj.weight`): where expert e's bytes start."""
+    """One per-expert tensor of a layer (e.g. `gate_proj.weight`): where expert e's bytes are."""
 
     name: str
-    file: int
+    files: np.ndarray  # [num_experts] index into ExpertStore.files
     offsets: np.ndarray  # [num_experts] absolute byte offsets
     nbytes: int
 
@@ -125,10 +166,13 @@ class ExpertTensor:
 class ExpertStore:
     """Index of every shard of a model directory; reads one expert's tensors into given buffers."""
 
-    def __init__(self, model_dir: str | Path, drop_page_cache: bool = True):
+    def __init__(self, model_dir: str | Path, drop_page_cache: bool = True,
+                 repacked: str | Path | None = None):
         """`drop_page_cache`: after each read, tell the OS not to keep the pages (Linux
         POSIX_FADV_DONTNEED, macOS F_NOCACHE), so cached file pages do not quietly add a second
-        copy of the experts on top of the budget."""
+        copy of the experts on top of the budget. `repacked`: an expert-major copy made by
+        `repack` (default: MODEL/moestream-experts when present); used when its manifest is
+        valid, else ignored with a warning."""
         self.model_dir = Path(model_dir)
         self.drop_page_cache = drop_page_cache
         self.files = weight_files(self.model_dir)
@@ -137,6 +181,16 @@ class ExpertStore:
             self.tensors.update(index_file(path, i))
         self._fds: list[int] | None = None
         self.layers: list[list[ExpertTensor]] = []
+        self.repacked: dict[str, dict] = {}
+        folder = Path(repacked) if repacked else self.model_dir / REPACK_DIR
+        if repacked or (folder / "manifest.json").exists():
+            try:
+                manifest = read_manifest(folder, self.files)
+            except StoreError as e:
+                warnings.warn(f"ignoring the repacked experts: {e}", stacklevel=2)
+            else:
+                self.files.append(folder / "experts.bin")
+                self.repacked = {layer["name"]: layer for layer in manifest["layers"]}
 
     def add_layer(self, prefix: str, params: dict[str, tuple[tuple[int, ...], int]], num_experts: int) -> int:
         """Locate a MoE layer's expert tensors; returns the layer's index in this store.
@@ -146,10 +200,17 @@ class ExpertStore:
         byte size of one expert's slice. Stacked checkpoints hold `{prefix}.{name}` of shape
         [E, ...]; per-expert Hugging Face checkpoints hold `{parent}.experts.{e}.{proj}.{param}`.
         """
-        located = []
-        for name, (shape, nbytes) in params.items():
-            located.append(self._locate(prefix, name, shape, nbytes, num_experts))
-        located.sort(key=lambda t: (t.file, t.offsets[0]))
+        packed = self.repacked.get(prefix)
+        sizes = {name: nbytes for name, (_, nbytes) in params.items()}
+        if packed and {t["name"]: t["nbytes"] for t in packed["tensors"]} == sizes:
+            experts = np.arange(num_experts, dtype=np.int64)
+            bin_file = np.full(num_experts, len(self.files) - 1)
+            located = [ExpertTensor(t["name"], bin_file,
+                                    packed["offset"] + t["offset"] + experts * packed["stride"],
+                                    t["nbytes"]) for t in packed["tensors"]]
+        else:
+            located = [self._locate(prefix, name, shape, nbytes, num_experts)
+                       for name, (shape, nbytes) in params.items()]
         self.layers.append(located)
         return len(self.layers) - 1
 
@@ -162,7 +223,7 @@ class ExpertStore:
                     f"{list(stacked.shape)}, expected {[num_experts, *shape]}"
                 )
             offsets = stacked.offset + nbytes * np.arange(num_experts, dtype=np.int64)
-            return ExpertTensor(name, stacked.file, offsets, nbytes)
+            return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes)
         parent = prefix.rsplit(".", 1)[0]
         proj, param = name.split(".", 1)
         for alias in PER_EXPERT_NAMES.get(proj, (proj,)):
@@ -186,12 +247,9 @@ class ExpertStore:
                     f"expected {list(shape)}"
                 )
             infos.append(info)
-        if len({i.file for i in infos}) != 1:
-            # Experts of one tensor split over shards: keep one file per ExpertTensor simple by
-            # refusing; no known checkpoint does this.
-            raise StoreError(f"{self.model_dir}: experts of '{name}' are split across shards")
+        files = np.array([i.file for i in infos])
         offsets = np.array([i.offset for i in infos], dtype=np.int64)
-        return ExpertTensor(name, infos[0].file, offsets, nbytes)
+        return ExpertTensor(name, files, offsets, nbytes)
 
     def open(self) -> None:
         if self._fds is None:
@@ -206,28 +264,45 @@ class ExpertStore:
         self._fds = None
 
     def read_expert(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
-        """Read one expert's tensors (in file order) straight into `dest` buffers; returns bytes."""
+        """Read one expert's tensors straight into `dest` buffers, in file order, with one
+        preadv per run of contiguous tensors (one per expert in a repacked store)."""
         self.open()
-        total = 0
-        for t in self.layers[layer]:
+        parts = sorted((int(t.files[expert]), int(t.offsets[expert]), i)
+                       for i, t in enumerate(self.layers[layer]))
+        runs: list[list] = []  # [file, offset, buffers, names, nbytes]
+        for file, offset, i in parts:
+            t = self.layers[layer][i]
             buf = memoryview(dest[t.name]).cast("B")
-            offset = int(t.offsets[expert])
-            got = 0
-            while got < t.nbytes:
-                try:
-                    n = os.preadv(self._fds[t.file], [buf[got:]], offset + got)
-                except OSError as e:
-                    n, why = 0, e.strerror
-                else:
-                    why = "unexpected end of file"
-                if n == 0:
-                    raise StoreError(
-                        f"{self.files[t.file]}: cannot read '{t.name}' of layer {layer} "
-                        f"expert {expert} at byte {offset + got}: {why}"
-                    )
-                got += n
-            if self.drop_page_cache and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fds[t.file], offset, t.nbytes, os.POSIX_FADV_DONTNEED)
-            total += t.nbytes
+            if runs and runs[-1][0] == file and runs[-1][1] + runs[-1][4] == offset:
+                runs[-1][2].append(buf)
+                runs[-1][3].append(t.name)
+                runs[-1][4] += t.nbytes
+            else:
+                runs.append([file, offset, [buf], [t.name], t.nbytes])
+        total = 0
+        for file, offset, bufs, names, nbytes in runs:
+            where = f"'{'+'.join(names)}' of layer {layer} expert {expert}"
+            self._read_run(file, offset, bufs, nbytes, where)
+            total += nbytes
         return total
 
+    def _read_run(self, file: int, offset: int, bufs: list[memoryview], nbytes: int, where: str):
+        fd = self._fds[file]
+        got = 0
+        while got < nbytes:
+            try:
+                n = os.preadv(fd, bufs, offset + got)
+            except OSError as e:
+                n, why = 0, e.strerror
+            else:
+                why = "unexpected end of file"
+            if n == 0:
+                raise StoreError(f"{self.files[file]}: cannot read {where} at byte {offset + got}: {why}")
+            got += n
+            while bufs and n >= len(bufs[0]):  # drop what is filled, keep the rest of a partial
+                n -= len(bufs[0])
+                bufs = bufs[1:]
+            if n:
+                bufs = [bufs[0][n:], *bufs[1:]]
+        if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)

@@ -170,7 +170,7 @@ def synthetic_trace(
     num_experts: int = 128,
     top_k: int = 8,
     skew: float = 1.0,
-    repeat: float = 0.3,
+    repeat: float = 0.1,
     switch_at: float | None = 0.5,
     seed: int = 0,
     sample_seed: int | None = None,

@@ -4,7 +4,8 @@ Builds a model with one real MoE layer shape (default: Qwen3-30B-A3B's, hidden 2
 experts, top-8, moe_intermediate 768, 4-bit) and times, in one run, the MoE block of stock
 mlx-lm and of mlx-moestream at a 100% budget on identical inputs (decode: 1 token; prefill: 32
 tokens). Then drops the file from the page cache and times cold reads of single experts through
-pread into the slot (what the runtime does) and through mmap. Prints JSON.
+pread into the slot (what the runtime does), from a repacked expert-major copy, and through mmap.
+Prints JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import mlx_lm
 import numpy as np
 
 import mlx_moestream
+from mlx_moestream.repack import repack
+from mlx_moestream.store import ExpertStore
 from mlx_moestream.testing import make_tiny_moe
 
 
@@ -43,20 +46,31 @@ def drop_page_cache(path: Path) -> None:
     os.close(fd)
 
 
-def cold_reads(runtime, experts: list[int]) -> dict:
-    """Cold read ms per expert: pread into a slot buffer vs. copying out of an mmap."""
-    store = runtime.store
-    pool = runtime.pools[0]
-    dest = pool.slot(0)
-    out = {}
+def timed_reads(store: ExpertStore, layer: int, experts: list[int], dest: dict) -> float:
+    """Cold ms per expert through the store (pread straight into the slot)."""
     for path in store.files:
         drop_page_cache(path)
     start = time.perf_counter()
     for e in experts:
-        store.read_expert(0, e, dest)
-    out["pread_ms"] = (time.perf_counter() - start) * 1e3 / len(experts)
-    for path in store.files:
-        drop_page_cache(path)
+        store.read_expert(layer, e, dest)
+    return (time.perf_counter() - start) * 1e3 / len(experts)
+
+
+def cold_reads(runtime, model_dir: Path, experts: list[int]) -> dict:
+    """Cold read ms per expert: pread of the stacked layout, of the repacked copy, and copying
+    out of an mmap of the stacked layout."""
+    store = runtime.store
+    pool = runtime.pools[0]
+    dest = pool.slot(0)
+    out = {"pread_ms": timed_reads(store, 0, experts, dest)}
+    repack(model_dir)
+    packed = ExpertStore(model_dir)
+    layer = runtime.plan.layers[0]
+    packed.add_layer(layer.path, {n: (sh, nb) for n, (sh, _, nb) in layer.specs.items()},
+                     layer.num_experts)
+    out["repacked_ms"] = timed_reads(packed, 0, experts, dest)
+    out["repacked_speedup"] = out["pread_ms"] / out["repacked_ms"]
+    drop_page_cache(store.files[0])
     with open(store.files[0], "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         start = time.perf_counter()
@@ -99,7 +113,7 @@ def main(hidden, experts, top_k, moe_intermediate, bits, repeats, prefill_tokens
             stock_us, stream_us = time_pair(lambda: a(x), lambda: b(x), n)
             result[name] = {"stock_us": stock_us, "streaming_us": stream_us,
                             "ratio": stream_us / stock_us, "overhead_us": stream_us - stock_us}
-        result["cold_read"] = cold_reads(streamed.moestream, list(range(0, experts, 4)))
+        result["cold_read"] = cold_reads(streamed.moestream, path, list(range(0, experts, 4)))
         print(json.dumps(result, indent=2))
 
 

@@ -1,6 +1,7 @@
 import shutil
 from pathlib import Path
 
+import mlx_lm
 import pytest
 
 from mlx_moestream.testing import make_tiny_moe
@@ -31,3 +32,19 @@ def model_copy(tiny_model, tmp_path):
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Stock mlx-lm logits of a model directory (see test_streaming.greedy_logits)."""
+    from test_streaming import greedy_logits
+
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            model, _ = mlx_lm.load(str(path))
+            cache[path] = greedy_logits(model)
+        return cache[path]
+
+    return get

@@ -26,19 +26,6 @@ def greedy_logits(model, decode_tokens: int = 32) -> list[mx.array]:
     return logits
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    cache = {}
-
-    def get(path):
-        if path not in cache:
-            model, _ = mlx_lm.load(str(path))
-            cache[path] = greedy_logits(model)
-        return cache[path]
-
-    return get
-
-
 def min_budget(path) -> int:
     return load_lazy(path)[-1].min_budget_bytes
 

@@ -1,0 +1,80 @@
+"""The expert-major copy: exact outputs, one read per expert, checked at open."""
+
+import json
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_moestream
+from mlx_moestream.repack import repack, verify
+from mlx_moestream.store import ExpertStore
+
+from test_streaming import greedy_logits
+
+
+def test_repacked_store_streams_exactly_and_reads_one_run_per_expert(model_copy, reference):
+    path = model_copy("qwen3_moe", bits=4)
+    expected = reference(path)
+    repack(path)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    store = model.moestream.store
+    assert store.files[-1].name == "experts.bin"
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
+    calls = []
+    store._read_run = lambda *args: calls.append(args)
+    store.read_expert(0, 3, model.moestream.pools[0].slot(0))
+    assert len(calls) == 1
+
+
+def test_repack_blocks_are_page_aligned(model_copy):
+    folder = repack(model_copy("mixtral"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert all(l["offset"] % 4096 == 0 and l["stride"] % 4096 == 0 for l in manifest["layers"])
+    assert verify(folder) == []
+
+
+def test_verify_finds_a_corrupted_expert(model_copy):
+    folder = repack(model_copy("qwen3_moe"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    layer = manifest["layers"][1]
+    with open(folder / "experts.bin", "r+b") as f:
+        f.seek(layer["offset"] + 5 * layer["stride"] + 10)
+        f.write(b"\xff\xff\xff\xff")
+    assert verify(folder) == [f"{layer['name']} expert 5: checksum mismatch"]
+
+
+def test_stale_repack_is_ignored_with_a_warning(model_copy):
+    path = model_copy("qwen3_moe")
+    repack(path)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    tensors["extra"] = np.zeros(3, np.float32)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "mlx"})
+    with pytest.warns(UserWarning, match="made from other model files"):
+        store = ExpertStore(path)
+    assert all(f.suffix == ".safetensors" for f in store.files)
+
+
+def test_corrupt_manifest_is_ignored_with_a_warning(model_copy):
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    text = (folder / "manifest.json").read_text().replace('"stride": 24576', '"stride": 4096')
+    (folder / "manifest.json").write_text(text)
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        store = ExpertStore(path)
+    assert len(store.files) == 1
+
+
+def test_cli_repack_then_verify(model_copy):
+    import subprocess
+    import sys
+
+    path = model_copy("qwen3_moe")
+    cli = [sys.executable, "-m", "mlx_moestream.cli", "repack", "--model", str(path)]
+    assert subprocess.run(cli, capture_output=True, timeout=120).returncode == 0
+    out = subprocess.run([*cli, "--verify"], capture_output=True, text=True, timeout=120)
+    assert "every expert block matches" in out.stdout
