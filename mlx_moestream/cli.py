@@ -34,8 +34,9 @@ def _fail(e: Exception) -> None:
     raise click.ClickException(str(e))
 
 
-MODEL_REQUIRED = "--model is required: give a local model directory or a Hugging Face repo id"
-model_option = click.option("--model", "-m", help="Model directory or Hugging Face repo id.")
+model_option = click.option(
+    "--model", "-m",
+    help="Model directory or Hugging Face repo id (default: the embedded bilingual model).")
 
 
 @click.group()
@@ -75,8 +76,6 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
 
     from . import loader
 
-    if model is None:
-        raise click.UsageError(MODEL_REQUIRED)
     to_load = [name for action, name in profiles if action == "load"]
     to_save = [name for action, name in profiles if action == "save"]
     if len(to_load) > 1:
@@ -180,8 +179,6 @@ def inspect(model, as_json):
     """Architecture, experts, bytes per expert, dense bytes and the minimum budget."""
     from .loader import load_lazy, resolve_model_path
 
-    if model is None:
-        raise click.UsageError(MODEL_REQUIRED)
     try:
         plan = load_lazy(resolve_model_path(model))[-1]
     except (ValueError, FileNotFoundError) as e:
@@ -341,8 +338,6 @@ def repack(model, out, verify_only):
     from .loader import resolve_model_path
     from .store import REPACK_DIR
 
-    if model is None:
-        raise click.UsageError(MODEL_REQUIRED)
     try:
         path = resolve_model_path(model)
         folder = Path(out) if out else path / REPACK_DIR

@@ -26,12 +26,21 @@ HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.ti
                 "*.txt", "*.jinja"]
 
 
+# A small trained bilingual (Italian/English) + Python MoE shipped with the package.
+EMBEDDED_MODEL = Path(__file__).parent / "assets" / "embedded"
+
+
 class ModelError(ValueError):
     """A model that cannot be found, read by mlx-lm, or streamed."""
 
 
-def resolve_model_path(model: str | Path, revision: str | None = None) -> Path:
-    """A local model directory, or a Hugging Face repo id resolved through the local cache/hub."""
+def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
+    """A local model directory, a Hugging Face repo id resolved through the local cache/hub, or
+    None / "embedded" for the model shipped with the package."""
+    if model is None or model == "embedded":
+        if not (EMBEDDED_MODEL / "config.json").exists():
+            raise ModelError(f"the embedded model is missing from {EMBEDDED_MODEL}")
+        return EMBEDDED_MODEL
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -70,7 +79,7 @@ def memory_bytes() -> int:
 
 
 def load(
-    model: str | Path,
+    model: str | Path | None = None,
     budget: int | str | None = None,
     policy: str = DEFAULT_POLICY,
     profile: str | Path | Profile | None = None,
@@ -86,6 +95,8 @@ def load(
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an MoE model for `mlx_lm.generate` / `stream_generate`, streaming its experts.
 
+    `model`: a local directory, a Hugging Face repo id, or None / "embedded" for the small
+    bilingual model shipped with the package.
     `budget` bounds resident expert bytes: bytes, `"8GB"`, `"512MiB"`, `"35%"` of all expert
     bytes, or `"auto"` (the default: everything that fits in free memory after the dense
     weights and a working reserve). `profile` (a name, a path or a `Profile`) pre-warms the
