@@ -277,6 +277,23 @@ def profile_list():
                    f"{p.created}  {path}")
 
 
+@profile.command("record")
+@click.argument("name")
+@click.option("--text", "text_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="A text file typical of the workload.")
+@model_option
+def profile_record(name, text_path, model):
+    """Record a workload's profile by running a text through the model."""
+    from . import loader
+
+    try:
+        lm, tokenizer = loader.load(model, budget="100%")
+        tokens = loader.run_text(lm, tokenizer, Path(text_path).read_text(encoding="utf-8"))
+        click.echo(f"{tokens} tokens: {loader.save_profile(lm, name)}")
+    except (ValueError, OSError) as e:
+        _fail(e)
+
+
 @profile.command("show")
 @click.argument("name")
 @click.option("--top", default=8, show_default=True, help="Hot experts shown per layer.")

@@ -139,11 +139,25 @@ def prewarm(model: nn.Module, profile: str | Path | Profile, share: float = 1.0,
     return runtime_of(model).prewarm(_as_profile(profile), share, pin_share, progress)
 
 
+def profile(model: nn.Module, workload: str) -> Profile:
+    """This session's activation profile so far (what `save_profile` writes)."""
+    return runtime_of(model).profile(workload)
+
+
 def save_profile(model: nn.Module, name: str | Path, workload: str | None = None) -> Path:
     """Save this session's activation profile as NAME (in ./profiles or the user directory) or a path."""
     name = str(name)
-    workload = workload or Path(name).stem
-    return runtime_of(model).profile(workload).save(profile_target(name))
+    return profile(model, workload or Path(name).stem).save(profile_target(name))
+
+
+def run_text(model: nn.Module, tokenizer: TokenizerWrapper, text: str,
+             window_tokens: int = 256) -> int:
+    """Run `text` through the model in windows (no generation), so the session's routing
+    statistics and profile describe that text; returns the number of tokens."""
+    ids = tokenizer.encode(text)
+    for start in range(0, len(ids), window_tokens):
+        mx.eval(model(mx.array([ids[start : start + window_tokens]])))
+    return len(ids)
 
 
 def start_trace(model: nn.Module) -> None:

@@ -267,7 +267,7 @@ class Runtime:
         self.recorder = None  # a trace.TraceRecorder while recording routing
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
         self.prefetch = prefetch
-        self.routers: list = [None] * plan.num_layers  # set by attach() when prefetching
+        self.routers: list = [None] * plan.num_layers  # each layer's router, set by attach()
         self.inflight: list[tuple[int, int, Future]] = []  # (layer, expert, read) of prefetches
         self.predicted: dict[int, np.ndarray] = {}  # layer -> experts predicted for its next call
         self.prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next call
@@ -280,6 +280,7 @@ class Runtime:
                             l.num_experts)
             for l in plan.layers
         ]
+        store.open()  # before any reader thread
         self.pools: list[SlotPool] = []
         self.caches: list[ExpertCache] = []
         self.pool_of: list[int] = [0] * plan.num_layers

@@ -7,6 +7,7 @@ quantized layouts are exactly the ones a real checkpoint of the same architectur
 import dataclasses
 import json
 from pathlib import Path
+from typing import Iterable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -132,9 +133,9 @@ _EXPERT_FIELDS = {
 
 _MIXTRAL_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
-_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_CHATML_TEMPLATE = (
+CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
@@ -231,22 +232,24 @@ def make_tiny_moe(
     return path
 
 
-def make_tokenizer(path, vocab_size: int = 512) -> None:
+def make_tokenizer(path, vocab_size: int = 512, texts: Iterable[str] | None = None,
+                   min_frequency: int = 0) -> None:
     """Train a byte-level BPE with `tokenizers` and save the HF tokenizer files with a ChatML template.
 
-    The built-in text stops yielding merges at 573 tokens; a larger model vocab still loads,
-    its extra ids just decode to nothing.
+    `texts` defaults to a small built-in multilingual text, which stops yielding merges at 573
+    tokens; a larger model vocab still loads, its extra ids just decode to nothing.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=_SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=min_frequency,
         show_progress=False,
     )
-    tokenizer.train_from_iterator([_TRAINING_TEXT], trainer)
+    tokenizer.train_from_iterator(texts or [_TRAINING_TEXT], trainer)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -257,11 +260,15 @@ def make_tokenizer(path, vocab_size: int = 512) -> None:
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": None,
+        "additional_special_tokens": SPECIAL_TOKENS,
         "model_max_length": 2048,
-        "chat_template": _CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
     }
     with open(path / "tokenizer_config.json", "w") as f:
         json.dump(tokenizer_config, f, indent=2)
+    with open(path / "special_tokens_map.json", "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f, indent=2)
 
 
 def _randomize(model, seed: int) -> None:
