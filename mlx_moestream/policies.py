@@ -119,7 +119,8 @@ class WindowLFU(LFU):
 
     The cache follows a workload that shifts mid-session: experts it stops using decay out,
     while counts of non-resident experts keep growing until they win a slot. Seeded counts
-    decay the same way.
+    decay the same way: a seed of c uses takes log2(c) half-lives to fall below one use, so a
+    profile is best scaled to about one half-life of tokens.
     """
 
     def __init__(self, capacity: int, num_keys: int, half_life: int = 256):
@@ -295,12 +296,16 @@ class _Resident:
         return self.keys[: self.n]
 
     def add(self, key: int) -> None:
+        if self.pos[key] >= 0:
+            raise KeyError(f"key {key} is already resident")
         self.keys[self.n] = key
         self.pos[key] = self.n
         self.n += 1
 
     def drop(self, key: int) -> None:
         i = self.pos[key]
+        if i < 0:
+            raise KeyError(f"key {key} is not resident")
         self.n -= 1
         moved = self.keys[self.n]
         self.keys[i] = moved

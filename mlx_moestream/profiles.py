@@ -106,6 +106,12 @@ class Profile:
             picked.append((layer, expert))
         return picked
 
+    def seed_counts(self, uses: float) -> np.ndarray:
+        """Decayed counts rescaled per layer so the hottest expert counts `uses`: a policy
+        seeded with them trusts the profile only as much as a few live uses."""
+        peak = self.decayed.max(axis=1, keepdims=True)
+        return np.where(peak > 0, self.decayed / np.where(peak > 0, peak, 1) * uses, 0.0)
+
     def working_set(self) -> np.ndarray:
         """Per layer, the effective number of experts in use: 2 ** (routing entropy in bits)."""
         p = self.counts / np.maximum(self.counts.sum(axis=1, keepdims=True), 1)

@@ -237,7 +237,7 @@ def _segments(hits: np.ndarray, accesses: np.ndarray, segment_id: np.ndarray,
     for i, (s, e) in enumerate(zip(starts, ends)):
         steady = float(rate(s + (e - s) // 2, e))
         recovery = None
-        if i > 0:
+        if i > 0 and not math.isnan(steady):
             t = np.arange(s, e)
             trailing = rate(np.maximum(s, t - window_tokens + 1), t + 1)
             caught_up = np.flatnonzero(trailing >= steady - RECOVERY_POINTS)
@@ -246,8 +246,13 @@ def _segments(hits: np.ndarray, accesses: np.ndarray, segment_id: np.ndarray,
             "segment_id": int(segment_id[s]),
             "start_token": s,
             "tokens": e - s,
-            "hit_rate": float(rate(s, e)),
-            "steady_hit_rate": steady,
+            "hit_rate": _number(rate(s, e)),
+            "steady_hit_rate": _number(steady),
             "recovery_tokens": recovery,
         })
     return segments
+
+
+def _number(x) -> float | None:
+    """A float for JSON: None where no access made a rate."""
+    return None if math.isnan(x) else float(x)

@@ -5,9 +5,11 @@ module keeps its own code (activation, biases, quantization, sorting) but its ex
 are replaced by a pool of `num_slots` slots shared by every MoE layer with the same expert
 shapes; the routed expert ids are remapped to slot ids before the original module runs.
 
-Slots are filled by reading from the files straight into the pool's memory. That is safe
-because a layer's routing depends on every earlier computation that could still read a slot
-(the previous layers of this token, and every layer of the previous token).
+Slots are filled by reading from the files straight into the pool's memory, so no computation
+that reads a slot may still be pending when a later call overwrites it: every call evaluates its
+expert output before it returns (teacher-forced scoring, for one, never needs a token's last
+layers before the next token's loads). Prefetch reads run during that evaluation and never touch
+the slots it reads.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from .stats import Stats
 from .store import ExpertStore, StoreError
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
+# A profile's hottest expert in a layer starts as if used this many times recently: enough to
+# outweigh one-off live misses, few enough that a wrong profile's experts lose to the live
+# workload's within a few dozen tokens.
+SEED_USES = 4.0
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk", "top_k")
 
 
@@ -217,6 +223,7 @@ class StreamingExperts(nn.Module):
         y = self.inner(x, mx.array(slots))
         if runtime.prefetch:
             runtime.prefetch_next(self.layer, x)
+        mx.eval(y)  # see the module docstring: no pending reads of a slot
         return y
 
     def _rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
@@ -453,8 +460,9 @@ class Runtime:
             hot = profile.hottest(int(cache.num_slots * share) - cache.resident, limits)
             picks += hot
             pins += _pinnable(hot, int(cache.num_slots * pin_share), cache, self.plan.top_k)
-            cache.seed({int(cache.key_of[l, e]): float(profile.decayed[l, e])
-                        for l in group for e in np.flatnonzero(profile.decayed[l])})
+            seed = profile.seed_counts(SEED_USES)
+            cache.seed({int(cache.key_of[l, e]): float(seed[l, e])
+                        for l in group for e in np.flatnonzero(seed[l])})
         picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
         start, nbytes, loaded = time.perf_counter(), 0, 0
         context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
-import tempfile
+import secrets
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +89,8 @@ class Trace:
             arrays["weights"] = self.weights
         if self.segment_id is not None:
             arrays["segment_id"] = self.segment_id
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez_compressed(f, **arrays)
@@ -121,7 +122,8 @@ class Trace:
         return (self.usage() > 0).sum(axis=1)
 
     def routing_entropy(self) -> np.ndarray:
-        """Entropy in bits of each layer's expert usage: float [layers], a weight for `split_slots`."""
+        """Entropy in bits of each layer's expert usage: float [layers], a weight for
+        `split_slots`."""
         usage = self.usage()
         p = usage / np.maximum(usage.sum(axis=1, keepdims=True), 1)
         return -(p * np.log2(np.where(p > 0, p, 1))).sum(axis=1)

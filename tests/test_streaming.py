@@ -139,3 +139,20 @@ def test_prefetch_keeps_logits_exact_and_is_scored(tiny_model, reference, arch):
     assert 0 < stats["prediction_precision"] <= 1 and 0 < stats["prediction_recall"] <= 1
     assert stats["prefetch_used"] <= stats["prefetch_loads"]
     assert stats["resident_bytes"] <= stats["budget_bytes"]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_teacher_forced_tokens_without_eval_between_them_stay_exact(tiny_model, prefetch):
+    """Token t+1's loads must not overwrite slots that token t's last layer has yet to read:
+    nothing forces that layer before the next token when the inputs are given, not sampled."""
+    path = tiny_model("qwen3_moe", bits=4, num_layers=4)
+
+    def logits(model):
+        cache = make_prompt_cache(model)
+        out = [model(PROMPT[:, i : i + 1], cache=cache) for i in range(32)]
+        mx.eval(out)
+        return out
+
+    stock, _ = mlx_lm.load(str(path))
+    model, _ = mlx_moestream.load(path, budget=min_budget(path), prefetch=prefetch)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(logits(stock), logits(model)))

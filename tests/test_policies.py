@@ -1,0 +1,387 @@
+"""Eviction policies through the cache that owns residency: each ranks victims as documented."""
+
+import itertools
+from functools import cache
+
+import numpy as np
+import pytest
+
+from mlx_moestream.cache import ExpertCache, split_slots
+from mlx_moestream.policies import (
+    DEFAULT_POLICY,
+    LFU,
+    LRU,
+    POLICIES,
+    SLRU,
+    Belady,
+    Policy,
+    WindowLFU,
+    make_policy,
+)
+from mlx_moestream.replay import replay, sweep
+from mlx_moestream.stats import Stats
+from mlx_moestream.trace import Trace, synthetic_trace
+
+ONLINE = ["lru", "lfu", "slru", "wlfu"]
+
+
+def _cache(num_slots, layers=2, num_experts=4, policy="wlfu", layer_slots=None):
+    stats = Stats([f"l{i}" for i in range(layers)], num_experts)
+    return ExpertCache(num_slots, list(range(layers)), num_experts, stats, policy, layer_slots)
+
+
+def _request(cache, layer, experts):
+    return cache.request(layer, np.array(experts, np.int64))
+
+
+def _resident(cache):
+    layer, expert = np.nonzero(cache.slot_of >= 0)
+    return set(zip(layer.tolist(), expert.tolist()))
+
+
+def random_trace(seed, tokens=10, layers=2, num_experts=4, top_k=2) -> Trace:
+    """Uniformly random distinct experts per token and layer, some positions empty (-1)."""
+    rng = np.random.default_rng(seed)
+    experts = np.array([[rng.permutation(num_experts)[:top_k] for _ in range(layers)]
+                        for _ in range(tokens)])
+    experts[rng.random(experts.shape) < 0.1] = -1
+    return Trace(experts.astype(np.int16), num_experts)
+
+
+def _requests(trace):
+    """(layer, sorted distinct keys) per request, in replay order."""
+    out = []
+    for t in range(trace.tokens):
+        for layer in range(trace.layers):
+            ids = sorted({int(e) for e in trace.experts[t, layer] if e >= 0})
+            if ids:
+                out.append([layer * trace.num_experts + e for e in ids])
+    return out
+
+
+def lru_by_list(trace, capacity) -> int:
+    """Misses of a direct LRU simulation: a list, least recent first."""
+    order, misses = [], 0
+    for keys in _requests(trace):
+        for key in keys:
+            if key in order:
+                order.remove(key)
+                order.append(key)
+        for key in keys:
+            if key in order:
+                continue
+            misses += 1
+            if len(order) == capacity:
+                order.remove(next(k for k in order if k not in keys))
+            order.append(key)
+    return misses
+
+
+def optimal_misses(trace, capacity) -> int:
+    """Fewest misses over every possible choice of evictions (exhaustive search)."""
+    requests = _requests(trace)
+
+    @cache
+    def best(i, resident):
+        if i == len(requests):
+            return 0
+        keys = set(requests[i])
+        missing = keys - resident
+        excess = len(resident) + len(missing) - capacity
+        if excess <= 0:
+            return len(missing) + best(i + 1, resident | missing)
+        choices = itertools.combinations(sorted(resident - keys), excess)
+        return len(missing) + min(best(i + 1, (resident - set(out)) | missing) for out in choices)
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("capacity", [2, 3, 5])
+def test_lru_misses_equal_a_direct_list_simulation(seed, capacity):
+    trace = random_trace(seed, tokens=30)
+    assert replay(trace, "lru", capacity)["misses"] == lru_by_list(trace, capacity)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("capacity", [2, 3, 5])
+def test_belady_misses_equal_the_exhaustive_optimum(seed, capacity):
+    trace = random_trace(seed, tokens=8)
+    assert replay(trace, "belady", capacity)["misses"] == optimal_misses(trace, capacity)
+
+
+@pytest.mark.parametrize(
+    "trace",
+    [random_trace(s, tokens=200, layers=3, num_experts=16, top_k=4) for s in range(3)]
+    + [synthetic_trace(600, 3, 32, 4, skew=s, repeat=r, seed=i)
+       for i, (s, r) in enumerate([(1.0, 0.1), (0.6, 0.3), (1.2, 0.0)])],
+)
+@pytest.mark.parametrize("capacity", [0.15, 0.3, 0.6])
+def test_belady_hits_at_least_every_policy(trace, capacity):
+    for result in sweep(trace, ONLINE, [capacity]):
+        assert result["belady_hit_rate"] >= result["hit_rate"], result["policy"]
+
+
+@pytest.mark.parametrize("name", ONLINE + ["belady"])
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_when_all_experts_fit_every_policy_has_only_compulsory_misses(name, per_layer):
+    trace = synthetic_trace(300, 3, 32, 4, seed=1)
+    result = replay(trace, name, 1.0, per_layer=per_layer)
+    compulsory = int((trace.usage() > 0).sum())
+    assert result["misses"] == compulsory
+    assert result["evictions"] == 0
+    assert result["hit_rate"] == result["lru_hit_rate"] == result["belady_hit_rate"]
+
+
+@pytest.mark.parametrize("name", ONLINE)
+def test_victim_is_never_an_expert_of_the_current_call(name):
+    cache = _cache(3, policy=name)
+    _request(cache, 0, [0, 1, 2])
+    _request(cache, 0, [0, 1])
+    loads = _request(cache, 0, [0, 1, 3])
+    assert [expert for expert, _ in loads] == [3]
+    assert _resident(cache) == {(0, 0), (0, 1), (0, 3)}
+
+
+@pytest.mark.parametrize("name", ONLINE)
+def test_a_call_with_every_slot_protected_raises(name):
+    policy = make_policy(name, 2, 8)
+    policy.insert(0)
+    policy.insert(1)
+    with pytest.raises(RuntimeError, match="in use"):
+        policy.victim({0, 1})
+
+
+def test_lfu_evicts_the_least_used_expert():
+    cache = _cache(3, policy="lfu")
+    _request(cache, 0, [0, 1, 2])
+    _request(cache, 0, [0, 1])
+    _request(cache, 0, [2, 1])
+    _request(cache, 0, [3])  # 0 and 2 were used twice, 1 three times: 0 is older
+    assert _resident(cache) == {(0, 1), (0, 2), (0, 3)}
+
+
+def test_lfu_breaks_count_ties_by_recency():
+    policy = LFU(4, 8)
+    for key in (5, 6, 7):
+        policy.insert(key)
+    policy.access(np.array([5]))
+    policy.access(np.array([7]))  # 5 and 7 used twice, 6 once
+    assert policy.victim(set()) == 6
+    assert policy.victim(set()) == 5
+
+
+def test_lfu_remembers_counts_of_experts_that_left():
+    policy = LFU(2, 8)
+    policy.insert(1)
+    policy.access(np.array([1]))
+    policy.access(np.array([1]))
+    policy.victim(set())
+    policy.insert(1)  # returns with its earlier uses
+    policy.insert(2)
+    policy.access(np.array([2]))
+    assert policy.victim(set()) == 2
+
+
+def test_wlfu_halves_every_count_when_the_clock_crosses_a_half_life():
+    policy = WindowLFU(4, 8, half_life=4)
+    policy.insert(3)
+    policy.access(np.array([3]))
+    policy.tick(3)
+    assert policy.count[3] == 2
+    policy.tick(1)
+    assert policy.count[3] == 1
+    policy.tick(8)  # two more crossings
+    assert policy.count[3] == 0.25
+
+
+def test_wlfu_lets_a_formerly_hot_expert_go_once_it_decays():
+    policy = WindowLFU(2, 8, half_life=4)
+    policy.insert(0)
+    for _ in range(8):
+        policy.access(np.array([0]))
+    policy.insert(1)
+    assert policy.victim(set()) == 1  # 0 is hot
+    policy.insert(1)
+    for _ in range(5):
+        policy.tick(4)  # 9 uses of 0 halve to 0.28
+        policy.access(np.array([1]))
+    assert policy.victim(set()) == 0
+
+
+def test_wlfu_rejects_a_half_life_below_one_token():
+    with pytest.raises(ValueError, match="half_life"):
+        WindowLFU(4, 8, half_life=0)
+
+
+def test_slru_evicts_probation_before_protected():
+    policy = SLRU(3, 8, protected_share=0.7)  # 2 protected slots
+    for key in (0, 1, 2):
+        policy.insert(key)
+    policy.access(np.array([0, 1]))  # promoted
+    assert policy.victim(set()) == 2
+    policy.insert(3)
+    assert policy.victim(set()) == 3
+
+
+def test_slru_demotes_the_least_recent_protected_key_when_the_segment_overflows():
+    policy = SLRU(4, 8, protected_share=0.5)  # 2 protected slots
+    for key in (0, 1, 2, 3):
+        policy.insert(key)
+    policy.tick(1)
+    policy.access(np.array([0]))
+    policy.access(np.array([1]))
+    policy.access(np.array([2]))  # protected holds 1, 2; 0 falls back to probation
+    assert list(policy.protected) == [1, 2]
+    assert policy.victim(set()) == 3  # entered probation in token 0, before 0 came back
+    assert policy.victim(set()) == 0
+
+
+def test_slru_breaks_ties_among_keys_entering_in_one_token_by_frequency():
+    policy = SLRU(4, 8)
+    policy.seed({5: 3.0})
+    for key in (5, 6, 7):
+        policy.insert(key)
+    assert policy.victim(set()) in (6, 7)
+    assert policy.victim(set()) in (6, 7)
+    assert policy.victim(set()) == 5
+
+
+def test_belady_evicts_the_key_used_farthest_in_the_future():
+    future = np.array([0, 1, 2, 1, 0])
+    policy = Belady(2, 4, future)
+    policy.insert(0)
+    policy.insert(1)
+    assert policy.victim({2}) == 0  # 1 comes back before 0
+    policy.insert(2)
+    assert policy.victim({1}) == 2  # never used again
+
+
+def test_belady_refuses_a_use_the_future_does_not_hold():
+    policy = Belady(2, 4, np.array([0, 1]))
+    policy.insert(1)
+    with pytest.raises(RuntimeError, match="out of the order"):
+        policy.access(np.array([1]))
+
+
+def test_belady_needs_the_future():
+    with pytest.raises(ValueError, match="future"):
+        make_policy("belady", 4, 8)
+
+
+@pytest.mark.parametrize("name", ["lfu", "slru", "wlfu"])
+def test_seed_adds_to_the_frequency_counts(name):
+    policy = make_policy(name, 4, 8)
+    policy.seed({2: 5.0, 3: 1.5})
+    policy.seed({2: 1.0})
+    assert policy.count[2] == 6.0
+    assert policy.count[3] == 1.5
+
+
+def test_seeded_expert_outlives_a_more_recent_one():
+    cache = _cache(2, policy="wlfu")
+    cache.seed({0: 10.0})
+    _request(cache, 0, [0, 1])
+    _request(cache, 0, [1])
+    _request(cache, 0, [2])
+    assert _resident(cache) == {(0, 0), (0, 2)}
+
+
+def test_seed_is_a_no_op_for_lru():
+    cache = _cache(2, policy="lru")
+    cache.seed({0: 10.0})
+    _request(cache, 0, [0, 1])
+    _request(cache, 0, [1])
+    _request(cache, 0, [2])
+    assert _resident(cache) == {(0, 1), (0, 2)}
+
+
+@pytest.mark.parametrize("counts", [{-1: 1.0}, {8: 1.0}, {1: -2.0}, {1: float("nan")}])
+def test_seed_rejects_unknown_keys_and_bad_counts(counts):
+    with pytest.raises(ValueError, match="seed"):
+        make_policy("wlfu", 4, 8).seed(counts)
+
+
+def test_unknown_policy_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown policy 'fifo'.*belady, lfu, lru, slru, wlfu"):
+        make_policy("fifo", 4, 8)
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        _cache(4, policy="fifo")
+
+
+def test_expert_cache_default_policy_is_wlfu():
+    stats = Stats(["l0"], 4)
+    assert DEFAULT_POLICY == "wlfu"
+    assert isinstance(ExpertCache(4, [0], 4, stats).policies[0], WindowLFU)
+
+
+def test_expert_cache_builds_policies_from_a_factory():
+    sizes = []
+
+    def factory(capacity) -> Policy:
+        sizes.append(capacity)
+        return LRU(capacity, 8)
+
+    cache = _cache(6, policy=factory, layer_slots=[2, 4])
+    assert sizes == [2, 4]
+    assert all(isinstance(p, LRU) for p in cache.policies)
+
+
+def test_expert_cache_still_exports_the_policy_api():
+    from mlx_moestream.cache import LRU as CacheLRU
+    from mlx_moestream.cache import POLICIES as CACHE_POLICIES
+    from mlx_moestream.cache import make_policy as cache_make_policy
+
+    assert CacheLRU is LRU and CACHE_POLICIES is POLICIES and cache_make_policy is make_policy
+
+
+def test_per_layer_slots_cap_each_layer():
+    cache = _cache(5, layers=2, num_experts=8, policy="wlfu", layer_slots=[2, 3])
+    _request(cache, 0, [0, 1])
+    _request(cache, 0, [2, 3])
+    _request(cache, 1, [0, 1, 2])
+    assert cache.count.tolist() == [2, 3]
+    assert cache.stats.evictions.tolist() == [2, 0]
+
+
+def test_split_slots_is_uniform_for_equal_weights():
+    assert split_slots(12, [1, 1, 1], minimum=2) == [4, 4, 4]
+    assert split_slots(10, [1, 1, 1], minimum=1) == [4, 3, 3]
+
+
+def test_split_slots_is_proportional_to_weights():
+    assert split_slots(100, [1, 2, 3, 4], minimum=8) == [10, 20, 30, 40]
+
+
+def test_split_slots_gives_every_layer_its_minimum():
+    assert split_slots(50, [1, 0, 0, 50], minimum=8) == [8, 8, 8, 26]
+
+
+def test_split_slots_caps_at_maximum_and_leaves_the_rest_unused():
+    assert split_slots(100, [1, 1, 1, 50], minimum=8, maximum=40) == [20, 20, 20, 40]
+    assert split_slots(1000, [1, 1], minimum=8, maximum=128) == [128, 128]
+
+
+def test_split_slots_stays_within_bounds_on_random_inputs():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 10))
+        weights = rng.random(n) * (rng.random(n) < 0.8)
+        low = int(rng.integers(0, 5))
+        high = int(rng.integers(low, 20)) if rng.random() < 0.5 else None
+        total = int(rng.integers(n * low, n * low + 100))
+        slots = split_slots(total, weights, low, high)
+        assert sum(slots) <= total and min(slots) >= low
+        assert high is None or max(slots) <= high
+        if high is None:
+            assert sum(slots) == total
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [((5, [1, 1, 1], 2), "minimum"), ((10, [], 1), "weights"), ((10, [1, -1], 1), "weights"),
+     ((10, [1, 1], 4, 3), "maximum")],
+)
+def test_split_slots_rejects_impossible_splits(args, match):
+    with pytest.raises(ValueError, match=match):
+        split_slots(*args)

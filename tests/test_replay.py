@@ -1,0 +1,340 @@
+"""Routing traces (format, recorder, synthetic workloads) and replay of policies over them."""
+
+import json
+import os
+import zipfile
+
+import numpy as np
+import pytest
+
+from mlx_moestream.replay import _segments, capacity_slots, plot_sweep, replay, sweep
+from mlx_moestream.trace import Trace, TraceError, TraceRecorder, synthetic_trace
+
+CAPACITIES = [0.1, 0.25, 0.5]
+
+
+@pytest.fixture(scope="module")
+def sweeps():
+    """wlfu against LRU and Belady on drift traces (4 layers, 128 experts, top-8, 2048 tokens
+    with the workload switching at token 1024), by (skew, repeat); computed once."""
+    done = {}
+
+    def get(skew, repeat):
+        if (skew, repeat) not in done:
+            trace = synthetic_trace(2048, 4, 128, 8, skew=skew, repeat=repeat, seed=0)
+            done[skew, repeat] = sweep(trace, ["wlfu"], CAPACITIES)
+        return done[skew, repeat]
+
+    return get
+
+
+@pytest.mark.parametrize("skew", [0.8, 1.2])
+@pytest.mark.parametrize("repeat", [0.0, 0.2])
+def test_wlfu_is_never_more_than_one_point_below_lru_on_synthetic_traces(sweeps, skew, repeat):
+    for result in sweeps(skew, repeat):
+        assert result["hit_rate"] >= result["lru_hit_rate"] - 0.01, result["capacity_fraction"]
+
+
+@pytest.mark.parametrize("skew, repeat", [(1.0, 0.1), (1.2, 0.0)])
+def test_wlfu_beats_lru_on_skewed_workloads_with_drift(sweeps, skew, repeat):
+    for result in sweeps(skew, repeat):
+        assert result["hit_rate"] > result["lru_hit_rate"], result["capacity_fraction"]
+
+
+def test_seeding_wlfu_with_the_workload_profile_raises_early_hit_rate():
+    early = synthetic_trace(256, 4, 128, 8, switch_at=None, seed=0)
+    profile = synthetic_trace(512, 4, 128, 8, switch_at=None, seed=0, sample_seed=1)
+    cold = replay(early, "wlfu", 0.25)
+    seeded = replay(early, "wlfu", 0.25, seed_counts=profile.expert_counts())
+    assert seeded["hit_rate"] > cold["hit_rate"]
+
+
+def test_replay_result_is_json_ready_with_baselines_and_segments():
+    trace = synthetic_trace(300, 3, 32, 4, seed=2)
+    result = json.loads(json.dumps(replay(trace, "slru", 0.3)))
+    assert result["policy"] == "slru" and result["capacity"] == round(0.3 * 96)
+    assert result["hits"] + result["misses"] == int((trace.experts >= 0).sum())
+    assert result["hit_rate"] == result["hits"] / (result["hits"] + result["misses"])
+    assert 0 < result["lru_hit_rate"] <= result["belady_hit_rate"] <= 1
+    assert [s["start_token"] for s in result["segments"]] == [0, 150]
+    assert len(result["recovery_tokens"]) == 1 and len(result["lru_recovery_tokens"]) == 1
+
+
+def test_replay_accepts_a_policy_factory_and_names_it():
+    from mlx_moestream.policies import WindowLFU
+
+    def wlfu_fast(capacity):
+        return WindowLFU(capacity, 3 * 32, half_life=16)
+
+    trace = synthetic_trace(200, 3, 32, 4, seed=3)
+    assert replay(trace, wlfu_fast, 0.3)["policy"] == "wlfu_fast"
+
+
+def test_per_layer_replay_splits_slots_by_profile_weights():
+    trace = synthetic_trace(300, 3, 32, 4, seed=4)
+    uniform = replay(trace, "wlfu", 0.5, per_layer=True)
+    by_profile = replay(trace, "wlfu", 0.5, per_layer=trace.routing_entropy())
+    assert uniform["per_layer"] and by_profile["per_layer"]
+    assert uniform["belady_hit_rate"] >= uniform["hit_rate"]
+    assert by_profile["belady_hit_rate"] >= by_profile["hit_rate"]
+
+
+def test_sweep_reports_every_policy_at_every_capacity():
+    trace = synthetic_trace(200, 3, 32, 4, seed=5)
+    results = sweep(trace, ["lru", "wlfu", "belady"], [0.2, 40])
+    assert [(r["policy"], r["capacity"]) for r in results] == [
+        ("lru", 19), ("wlfu", 19), ("belady", 19), ("lru", 40), ("wlfu", 40), ("belady", 40)]
+    for r in results:
+        assert r["policy"] != "lru" or r["hit_rate"] == r["lru_hit_rate"]
+        assert r["policy"] != "belady" or r["hit_rate"] == r["belady_hit_rate"]
+
+
+def test_segments_measure_recovery_with_a_window_that_stops_at_the_switch():
+    hits = np.array([9, 9, 9, 9, 0, 2, 5, 8, 8, 8, 8, 8])
+    accesses = np.full(12, 10)
+    segment_id = np.array([0] * 4 + [1] * 8)
+    first, second = _segments(hits, accesses, segment_id, window_tokens=2)
+    assert first["hit_rate"] == 0.9 and first["recovery_tokens"] is None
+    assert second["start_token"] == 4 and second["steady_hit_rate"] == 0.8
+    # trailing rates from the switch: 0.0, 0.1, 0.35, 0.65, 0.8 -> within 2 points at the 5th
+    assert second["recovery_tokens"] == 5
+
+
+def test_recovery_counts_the_new_segment_tokens_until_caught_up():
+    segment_id = np.array([0, 0, 1, 1, 1, 1])
+    _, late = _segments(np.array([5, 5, 0, 0, 0, 10]), np.full(6, 10), segment_id, 1)
+    assert late["steady_hit_rate"] == 0.5 and late["recovery_tokens"] == 4
+    _, flat = _segments(np.array([5, 5, 0, 0, 0, 0]), np.full(6, 10), segment_id, 1)
+    assert flat["steady_hit_rate"] == 0.0 and flat["recovery_tokens"] == 1
+
+
+def test_a_segment_without_accesses_has_no_rates():
+    _, empty = _segments(np.array([5, 5, 0, 0]), np.array([10, 10, 0, 0]),
+                         np.array([0, 0, 1, 1]), window_tokens=2)
+    assert empty["hit_rate"] is None and empty["steady_hit_rate"] is None
+    assert empty["recovery_tokens"] is None
+
+
+@pytest.mark.parametrize(
+    "capacity, match",
+    [(0, "in \\[1, 128\\]"), (-3, "in \\[1, 128\\]"), (129, "in \\[1, 128\\]"),
+     (0.0, "\\(0, 1\\]"), (1.5, "\\(0, 1\\]"), (float("nan"), "\\(0, 1\\]"),
+     (float("inf"), "\\(0, 1\\]"), ("25%", "int number of slots"), (None, "int number"),
+     (True, "int number"), (7, "below the top-8"), (0.05, "below the top-8")],
+)
+def test_invalid_capacity_raises_a_clear_error(capacity, match):
+    trace = synthetic_trace(10, 2, 64, 8)
+    with pytest.raises(ValueError, match=match):
+        replay(trace, "lru", capacity)
+
+
+def test_per_layer_capacity_must_hold_top_k_in_every_layer():
+    trace = synthetic_trace(10, 2, 64, 8)
+    assert capacity_slots(trace, 16, per_layer=True) == 16
+    with pytest.raises(ValueError, match="in each of 2 layers"):
+        capacity_slots(trace, 15, per_layer=True)
+
+
+def test_unknown_policy_raises_a_clear_error():
+    with pytest.raises(ValueError, match="unknown policy 'mru'"):
+        replay(synthetic_trace(10, 2, 64, 8), "mru", 0.5)
+
+
+def test_plot_sweep_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = sweep(synthetic_trace(100, 2, 32, 4), ["lru", "wlfu"], [0.25, 0.5])
+    assert plot_sweep(results, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_sweep_writes_nothing_without_matplotlib(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert plot_sweep([], tmp_path / "sweep.png") is False
+    assert not (tmp_path / "sweep.png").exists()
+
+
+# --- trace files ---
+
+
+def _arrays(**changes):
+    arrays = {
+        "experts": np.array([[[0, 1], [2, -1]], [[3, 0], [1, 2]]], np.int16),
+        "num_experts": np.int64(4),
+        "weights": np.full((2, 2, 2), 0.5, np.float16),
+        "segment_id": np.array([0, 1], np.int32),
+    }
+    arrays.update(changes)
+    return {k: v for k, v in arrays.items() if v is not None}
+
+
+def _write(path, **changes):
+    np.savez(path, **_arrays(**changes))
+    return path
+
+
+def test_save_then_load_round_trips(tmp_path):
+    trace = synthetic_trace(50, 3, 16, 4, seed=1)
+    trace.save(tmp_path / "t.npz")
+    loaded = Trace.load(tmp_path / "t.npz")
+    np.testing.assert_array_equal(loaded.experts, trace.experts)
+    np.testing.assert_array_equal(loaded.weights, trace.weights)
+    np.testing.assert_array_equal(loaded.segment_id, trace.segment_id)
+    assert loaded.num_experts == 16
+
+
+def test_save_leaves_no_temporary_file(tmp_path):
+    synthetic_trace(20, 2, 16, 4).save(tmp_path / "t.npz")
+    synthetic_trace(20, 2, 16, 4, seed=1).save(tmp_path / "t.npz")  # replaces
+    assert os.listdir(tmp_path) == ["t.npz"]
+
+
+def test_saved_file_has_the_permissions_the_umask_allows(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    synthetic_trace(20, 2, 16, 4).save(tmp_path / "t.npz")
+    assert (tmp_path / "t.npz").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_failed_save_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "t.npz"
+    synthetic_trace(20, 2, 16, 4).save(path)
+    before = path.read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez_compressed", fail)
+    with pytest.raises(OSError, match="disk full"):
+        synthetic_trace(20, 2, 16, 4, seed=1).save(path)
+    assert os.listdir(tmp_path) == ["t.npz"] and path.read_bytes() == before
+
+
+def test_optional_arrays_may_be_absent(tmp_path):
+    trace = Trace.load(_write(tmp_path / "t.npz", weights=None, segment_id=None))
+    assert trace.weights is None and trace.segment_id is None and trace.tokens == 2
+
+
+@pytest.mark.parametrize(
+    "changes, problem",
+    [
+        ({"experts": None}, "missing experts"),
+        ({"num_experts": None}, "missing num_experts"),
+        ({"extra": np.zeros(2)}, "unexpected arrays extra"),
+        ({"experts": np.zeros((2, 2, 2), np.int32)}, "experts must be an int16 array, got int32"),
+        ({"experts": np.zeros((2, 2), np.int16)}, "experts must be \\[tokens, layers, k\\]"),
+        ({"experts": np.zeros((0, 2, 2), np.int16)}, "experts is empty"),
+        ({"experts": np.full((2, 2, 2), 4, np.int16)}, "must be < num_experts = 4, found 4"),
+        ({"experts": np.full((2, 2, 2), -2, np.int16)}, "must be >= -1 .*found -2"),
+        ({"num_experts": np.array([4])}, "num_experts must be an integer scalar"),
+        ({"num_experts": np.float64(4)}, "num_experts must be an integer scalar"),
+        ({"num_experts": np.int64(0)}, "num_experts must be in \\[1, 32768\\]"),
+        ({"weights": np.zeros((2, 2, 2), np.float32)}, "weights must be a float16 array"),
+        ({"weights": np.zeros((2, 2, 3), np.float16)}, "weights shape \\(2, 2, 3\\) does not"),
+        ({"weights": np.full((2, 2, 2), np.inf, np.float16)}, "weights must be finite"),
+        ({"segment_id": np.zeros(2, np.float32)}, "segment_id must be an integer array"),
+        ({"segment_id": np.zeros((2, 1), np.int32)}, "segment_id must be \\[tokens\\]"),
+        ({"segment_id": np.zeros(3, np.int32)}, "segment_id has 3 tokens, experts has 2"),
+    ],
+)
+def test_malformed_trace_raises_trace_error_naming_file_and_problem(tmp_path, changes, problem):
+    path = _write(tmp_path / "bad.npz", **changes)
+    with pytest.raises(TraceError, match=f"bad.npz: .*{problem}"):
+        Trace.load(path)
+
+
+def test_unreadable_trace_files_raise_trace_error(tmp_path):
+    (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
+    np.save(tmp_path / "plain.npy", np.zeros(3))
+    with zipfile.ZipFile(tmp_path / "truncated.npz", "w") as z:
+        z.writestr("experts.npy", b"\x93NUMPY garbage")
+    for name, problem in [("missing.npz", "cannot read"), ("junk.npz", "cannot read"),
+                          ("plain.npy", "not an .npz"), ("truncated.npz", "cannot read")]:
+        with pytest.raises(TraceError, match=f"{name}: {problem}"):
+            Trace.load(tmp_path / name)
+
+
+def test_trace_error_is_a_value_error():
+    with pytest.raises(ValueError, match="trace: expert ids must be < num_experts"):
+        Trace(np.full((1, 1, 1), 9, np.int16), 4)
+
+
+# --- recorder and synthetic traces ---
+
+
+def test_recorder_stacks_prefill_and_decode_calls_in_token_order():
+    recorder = TraceRecorder(num_layers=2, num_experts=8)
+    prefill = [np.array([[0, 1], [2, 3], [4, 5]]), np.array([[6, 7], [0, 2], [1, 3]])]
+    decode = [np.array([[[5, 6]]]), np.array([[[7, 0]]])]  # [batch, tokens, k]
+    for call in (prefill, decode):
+        for layer, ids in enumerate(call):
+            recorder.record(layer, ids)
+    trace = recorder.to_trace()
+    assert trace.experts.dtype == np.int16 and trace.experts.shape == (4, 2, 2)
+    np.testing.assert_array_equal(trace.experts[:, 0], [[0, 1], [2, 3], [4, 5], [5, 6]])
+    np.testing.assert_array_equal(trace.experts[:, 1], [[6, 7], [0, 2], [1, 3], [7, 0]])
+
+
+def test_recorder_copies_ids_and_marks_masked_ids_as_none():
+    recorder = TraceRecorder(num_layers=1, num_experts=4)
+    ids = np.array([[1, 4], [-5, 2]])
+    recorder.record(0, ids)
+    ids[:] = 0
+    np.testing.assert_array_equal(recorder.to_trace().experts[:, 0], [[1, -1], [-1, 2]])
+
+
+def test_recorder_keeps_weights_when_every_call_has_them():
+    recorder = TraceRecorder(num_layers=1, num_experts=4)
+    recorder.record(0, np.array([[1, 2]]), np.array([[0.25, 0.75]]))
+    assert recorder.to_trace().weights.tolist() == [[[0.25, 0.75]]]
+
+
+def test_recorder_rejects_layers_out_of_order():
+    recorder = TraceRecorder(num_layers=3, num_experts=4)
+    recorder.record(0, np.array([[1]]))
+    with pytest.raises(ValueError, match="layer 2 recorded out of order: expected layer 1"):
+        recorder.record(2, np.array([[1]]))
+
+
+def test_recorder_drops_an_unfinished_last_call():
+    recorder = TraceRecorder(num_layers=2, num_experts=4)
+    for layer in (0, 1, 0):
+        recorder.record(layer, np.array([[layer]]))
+    assert recorder.to_trace().tokens == 1
+
+
+def test_synthetic_trace_routes_distinct_experts_and_marks_the_switch():
+    trace = synthetic_trace(100, 3, 16, 4, switch_at=0.3)
+    assert trace.experts.shape == (100, 3, 4) and trace.experts.dtype == np.int16
+    assert all(len(set(row)) == 4 for row in trace.experts.reshape(-1, 4).tolist())
+    assert trace.segment_id.tolist() == [0] * 30 + [1] * 70
+    np.testing.assert_allclose(trace.weights.astype(np.float32).sum(axis=2), 1, atol=1e-2)
+
+
+def test_synthetic_trace_is_reproducible_and_sample_seed_keeps_the_workload():
+    a = synthetic_trace(400, 2, 32, 4, switch_at=None, seed=7)
+    again = synthetic_trace(400, 2, 32, 4, switch_at=None, seed=7)
+    other_tokens = synthetic_trace(400, 2, 32, 4, switch_at=None, seed=7, sample_seed=8)
+    other_workload = synthetic_trace(400, 2, 32, 4, switch_at=None, seed=8)
+    np.testing.assert_array_equal(a.experts, again.experts)
+    assert not np.array_equal(a.experts, other_tokens.experts)
+    hot = np.argsort(-a.usage(), axis=1)[:, :4]
+    assert (np.argsort(-other_tokens.usage(), axis=1)[:, :4] == hot).mean() > \
+        (np.argsort(-other_workload.usage(), axis=1)[:, :4] == hot).mean()
+
+
+def test_synthetic_trace_repeats_previous_experts_more_with_more_locality():
+    def overlap(trace):
+        e = trace.experts
+        return np.mean([len(set(e[t, 0]) & set(e[t - 1, 0])) for t in range(1, trace.tokens)])
+
+    assert overlap(synthetic_trace(300, 1, 64, 4, repeat=0.6)) > \
+        overlap(synthetic_trace(300, 1, 64, 4, repeat=0.0)) + 1
+
+
+def test_profile_helpers_count_uses_per_expert():
+    trace = Trace(np.array([[[0, 1]], [[1, -1]]], np.int16), 3)
+    assert trace.expert_counts() == {0: 1.0, 1: 2.0}
+    assert trace.working_set().tolist() == [2]
+    np.testing.assert_allclose(trace.routing_entropy(), [0.9183], atol=1e-4)
