@@ -209,6 +209,26 @@ def test_wlfu_lets_a_formerly_hot_expert_go_once_it_decays():
     assert policy.victim(set()) == 0
 
 
+def test_wlfu_keeps_an_expert_of_the_previous_token_over_a_more_frequent_older_one():
+    policy = WindowLFU(2, 8, half_life=64, recent_tokens=2)
+    policy.insert(0)
+    for _ in range(5):
+        policy.access(np.array([0]))
+    policy.tick(1)
+    policy.tick(1)  # expert 0 was last used two tokens ago
+    policy.insert(1)  # used once, in this token
+    policy.tick(1)  # next token: 1 is from the previous token, 0 is older
+    assert policy.victim(set()) == 0
+
+
+def test_wlfu_evicts_a_recent_expert_when_no_other_is_left():
+    policy = WindowLFU(2, 8, recent_tokens=2)
+    policy.insert(0)
+    policy.access(np.array([0]))
+    policy.insert(1)
+    assert policy.victim(set()) == 1  # both recent: the least used goes
+
+
 def test_wlfu_rejects_a_half_life_below_one_token():
     with pytest.raises(ValueError, match="half_life"):
         WindowLFU(4, 8, half_life=0)

@@ -29,7 +29,7 @@ def sweeps():
 
 
 @pytest.mark.parametrize("skew", [0.8, 1.2])
-@pytest.mark.parametrize("repeat", [0.0, 0.2])
+@pytest.mark.parametrize("repeat", [0.0, 0.2, 0.5])
 def test_wlfu_is_never_more_than_one_point_below_lru_on_synthetic_traces(sweeps, skew, repeat):
     for result in sweeps(skew, repeat):
         assert result["hit_rate"] >= result["lru_hit_rate"] - 0.01, result["capacity_fraction"]
