@@ -12,7 +12,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from importlib import resources
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -155,10 +155,9 @@ def search_dirs() -> list[Path]:
     checkout it is ./profiles already.
     """
     dirs = [Path("profiles"), user_dir()]
-    try:
-        dirs.append(Path(str(resources.files("mlx_moestream.bundled_profiles"))))
-    except ModuleNotFoundError:
-        pass
+    spec = importlib.util.find_spec("mlx_moestream.bundled_profiles")
+    if spec is not None and spec.submodule_search_locations:
+        dirs.append(Path(list(spec.submodule_search_locations)[0]))
     return dirs
 
 
