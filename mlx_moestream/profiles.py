@@ -7,12 +7,12 @@ profile is never applied to another model. Plain Python and numpy (no mlx).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-import importlib.util
 from pathlib import Path
 
 import numpy as np
