@@ -163,11 +163,12 @@ def format_stats(s: dict, response=None) -> str:
     if windows:
         lines.append("hit rate per window: " + " ".join(f"{w['hit_rate']:.0%}" for w in windows))
     lines.append(f"{'layer':>5} {'hits':>7} {'misses':>7} {'hit%':>6} {'evict':>7} {'unique':>6} "
-                 f"{'warm':>5}")
+                 f"{'warm':>5} {'pinned':>6}")
     for i, layer in enumerate(s["layers"]):
         lines.append(
             f"{i:>5} {layer['hits']:>7} {layer['misses']:>7} {layer['hit_rate']:>6.1%} "
-            f"{layer['evictions']:>7} {layer['unique_experts']:>6} {layer['warm']:>5}"
+            f"{layer['evictions']:>7} {layer['unique_experts']:>6} {layer['warm']:>5} "
+            f"{layer['pinned']:>6}"
         )
     return "\n".join(lines)
 

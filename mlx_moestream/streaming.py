@@ -504,8 +504,10 @@ class Runtime:
             policy=self.policy,
             prewarm=self.prewarm_info,
         )
-        for layer, warm in zip(out["layers"], self.warm.tolist()):
+        pinned = sum(c.pinned_count for c in self.caches)
+        for layer, warm, pins in zip(out["layers"], self.warm.tolist(), pinned.tolist()):
             layer["warm"] = warm
+            layer["pinned"] = pins
         return out
 
 

@@ -186,6 +186,7 @@ def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
     cache = model.moestream.caches[0]
     pinned = {(l, e) for l in range(2) for e in range(8) if cache.pinned[l * 8 + e]}
     assert len(pinned) == 4
+    assert sum(layer["pinned"] for layer in mlx_moestream.stats(model)["layers"]) == 4
     slots = {key: cache.slot_of[key] for key in pinned}
     assert mlx_lm.generate(model, tokenizer, "def f(x): return [x] * 9 " * 4, max_tokens=16)
     assert mlx_moestream.stats(model)["evictions"] > 0
