@@ -354,7 +354,8 @@ class Runtime:
         if len(experts) > self.capacity(layer):
             return None
         slots = self.request(layer, experts, ids)
-        self._current = set((layer * self.plan.num_experts + experts).tolist())
+        if self.prefetch:
+            self._current = set((layer * self.plan.num_experts + experts).tolist())
         return slots
 
     def request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
