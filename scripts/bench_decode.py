@@ -32,6 +32,7 @@ import os
 import platform
 import pstats
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -215,22 +216,29 @@ def free(model) -> None:
     mx.clear_cache()
 
 
-def config_result(name, budget, prefetch, passes: list[dict], memory: dict, model) -> dict:
-    """Median-tok/s pass of a config, with its segment's statistics per token."""
-    best = sorted(passes, key=lambda p: p["tok_s"])[len(passes) // 2]
+def runtime_info(model) -> dict | None:
+    runtime = getattr(model, "moestream", None)
+    if runtime is None:
+        return None
+    return {"budget_bytes": runtime.budget_bytes,
+            "slots": sum(p.num_slots for p in runtime.pools)}
+
+
+def config_result(name, budget, prefetch, passes: list[dict], memory: dict, info) -> dict:
+    """Median tok/s of a config's passes, with the segment statistics of the pass nearest to it."""
+    tok_s = statistics.median(p["tok_s"] for p in passes)
+    best = min(passes, key=lambda p: abs(p["tok_s"] - tok_s))
     out = {"name": name, "budget_percent": budget, "prefetch": prefetch,
-           "tok_s": best["tok_s"], "tok_s_passes": [p["tok_s"] for p in passes],
-           "ms_per_token": 1e3 / best["tok_s"], "measured_tokens": best["tokens"],
+           "tok_s": tok_s, "tok_s_passes": [p["tok_s"] for p in passes],
+           "ms_per_token": 1e3 / tok_s, "measured_tokens": best["tokens"],
            "first_token_s": best["first_token_s"], "distinct_tokens": best["distinct_tokens"],
            **memory}
     c = best.get("counters")
     if c is not None:
-        runtime = model.moestream
         n = best["tokens"]
         accesses = c["hits"] + c["misses"]
         out.update({
-            "budget_bytes": runtime.budget_bytes,
-            "slots": sum(p.num_slots for p in runtime.pools),
+            **info,
             "hit_rate": c["hits"] / accesses if accesses else None,
             "misses_per_token": c["misses"] / n,
             "loads_per_token": c["loads"] / n,
@@ -334,35 +342,49 @@ def read_benchmark(path: Path, count: int, top_k: int, seed: int) -> dict:
 def run_benchmark(path, budgets, prompt, decode_tokens, skip, repeats, cold_passes, feed_of,
                   policy, log) -> list[dict]:
     results = []
-    # Warm configurations: loaded together, one warm-up pass each, then interleaved passes.
-    warm = []
-    for name, budget, prefetch in [("stock", None, None)] + [
-        (f"stream-{b:g}%-prefetch-{'on' if p else 'off'}", b, p)
-        for b in budgets if b >= 100 for p in (False, True)
-    ]:
-        mark = memory_mark()
-        for f in model_files(path):
-            drop_page_cache(f)
-        if budget is None:
-            model, _ = mlx_lm.load(str(path))
-        else:
-            model = load_streaming(path, budget, prefetch, policy)
-        feed = feed_of(model)
-        first = decode_pass(model, prompt, decode_tokens, skip, feed)
-        log(f"{name}: warm-up pass {first['tok_s']:.2f} tok/s")
-        warm.append((name, budget, prefetch, model, feed, memory_since(mark), []))
-    for r in range(repeats):  # forward, then backward: drift and order hit every config alike
-        for name, _, _, model, feed, _, passes in (warm if r % 2 == 0 else warm[::-1]):
-            passes.append(decode_pass(model, prompt, decode_tokens, skip, feed))
-            log(f"{name}: pass {r + 1}/{repeats} {passes[-1]['tok_s']:.2f} tok/s")
-    stock_passes = warm[0][6]
-    for name, budget, prefetch, model, _, memory, passes in warm:
-        results.append(config_result(name, budget, prefetch, passes, memory, model))
-        results[-1]["ratio_to_stock_per_round"] = [
-            p["tok_s"] / q["tok_s"] for p, q in zip(passes, stock_passes)]
-    del model
-    while warm:
-        free(warm.pop()[3])
+    # Warm configurations: loaded together, one warm-up pass each, then `repeats` rounds of
+    # interleaved passes; all of it twice, loading them in one order then in the other (where a
+    # model's weights land in memory moves tok/s by a few percent).
+    specs = [("stock", None, None)] + [(f"stream-{b:g}%-prefetch-{'on' if p else 'off'}", b, p)
+                                       for b in budgets if b >= 100 for p in (False, True)]
+    passes = {name: [] for name, _, _ in specs}
+    ratios = {name: [] for name, _, _ in specs}
+    memory, info = {}, {}
+    for generation, order in enumerate((specs, specs[::-1])):
+        loaded = []
+        for name, budget, prefetch in order:
+            mark = memory_mark()
+            for f in model_files(path):
+                drop_page_cache(f)
+            if budget is None:
+                model, _ = mlx_lm.load(str(path))
+            else:
+                model = load_streaming(path, budget, prefetch, policy)
+            feed = feed_of(model)
+            first = decode_pass(model, prompt, decode_tokens, skip, feed)
+            memory.setdefault(name, memory_since(mark))
+            info[name] = runtime_info(model)
+            log(f"{name}: load order {generation + 1}, warm-up pass {first['tok_s']:.2f} tok/s")
+            loaded.append((name, model, feed))
+        for r in range(repeats):  # forward, then backward: drift hits every config alike
+            tok_s = {}
+            for name, model, feed in (loaded if r % 2 == 0 else loaded[::-1]):
+                passes[name].append(decode_pass(model, prompt, decode_tokens, skip, feed))
+                tok_s[name] = passes[name][-1]["tok_s"]
+                log(f"{name}: load order {generation + 1}, pass {r + 1}/{repeats} "
+                    f"{tok_s[name]:.2f} tok/s")
+            for name in tok_s:
+                ratios[name].append(tok_s[name] / tok_s["stock"])
+        del model, feed
+        while loaded:
+            free(loaded.pop()[1])
+    for name, budget, prefetch in specs:
+        results.append(config_result(name, budget, prefetch, passes[name], memory[name],
+                                     info[name]))
+        results[-1]["ratio_to_stock_per_round"] = ratios[name]
+        results[-1]["tok_s_by_load_order"] = [
+            statistics.median(p["tok_s"] for p in passes[name][:repeats]),
+            statistics.median(p["tok_s"] for p in passes[name][repeats:])]
 
     # Cold configurations: a fresh load per pass, the file dropped from the page cache.
     for budget in [b for b in budgets if b < 100]:
@@ -376,11 +398,11 @@ def run_benchmark(path, budgets, prompt, decode_tokens, skip, repeats, cold_pass
                     drop_page_cache(f)
                 feed = feed_of(model)
                 passes.append(decode_pass(model, prompt, decode_tokens, skip, feed))
-                memory = memory_since(mark)
+                memory, info = memory_since(mark), runtime_info(model)
                 log(f"{name}: cold pass {r + 1} {passes[-1]['tok_s']:.2f} tok/s")
                 if r < cold_passes - 1:
                     free(model)
-            results.append(config_result(name, budget, prefetch, passes, memory, model))
+            results.append(config_result(name, budget, prefetch, passes, memory, info))
             free(model)
             del model
     return results
@@ -533,8 +555,11 @@ def markdown(doc: dict) -> str:
         f"tokens with `mlx_lm.generate.generate_step` (greedy). tok/s is measured over decode "
         f"tokens {run['skip_tokens']}..{run['decode_tokens'] - 1} ({run['measured_tokens']} "
         "tokens), and every statistic in the table is of that same segment. Stock and 100% are "
-        f"warm: loaded together, one warm-up pass each, then {run['repeats']} interleaved passes, "
-        "the median pass reported (the passes run forward and backward in turn). Budgets below 100% start cold: a fresh load, the model file "
+        f"warm: loaded together, one warm-up pass each, then {run['repeats']} rounds of "
+        "interleaved passes (forward and backward in turn); all of it twice, loading the models "
+        f"in one order then in the reverse order; tok/s is the median of the "
+        f"{2 * run['repeats']} passes and the other statistics are those of the pass nearest to "
+        "it. Budgets below 100% start cold: a fresh load, the model file "
         f"dropped from the page cache (median of {run['cold_passes']} cold pass(es)). Policy "
         f"`{run['policy']}`.",
         "",
@@ -609,8 +634,11 @@ def reading(doc: dict) -> list[str]:
                 out.append(
                     f"{where}: {r['tok_s']:.2f} tok/s against {stock['tok_s']:.2f} for stock "
                     f"({r['ratio_to_stock']:.2f}x, {r['ms_per_token'] - stock['ms_per_token']:+.1f}"
-                    f" ms/token) with every expert resident; per round of interleaved passes "
-                    f"the ratio ranged {min(r['ratio_to_stock_per_round']):.2f}-"
+                    f" ms/token) with every expert resident. Median tok/s by load order: "
+                    f"{r['tok_s_by_load_order'][0]:.2f} then {r['tok_s_by_load_order'][1]:.2f} "
+                    f"(stock {stock['tok_s_by_load_order'][0]:.2f} then "
+                    f"{stock['tok_s_by_load_order'][1]:.2f}); the ratio of single rounds ranged "
+                    f"{min(r['ratio_to_stock_per_round']):.2f}-"
                     f"{max(r['ratio_to_stock_per_round']):.2f}.")
                 continue
             text = (f"{where}: hit rate {r['hit_rate']:.2f}, "
@@ -622,10 +650,18 @@ def reading(doc: dict) -> list[str]:
                 text += (f"; hiding every read stall would make it at most "
                          f"{r['prefetch_ceiling_speedup']:.2f}x faster")
             if r["prefetch"]:
-                text += (f"; prediction precision {_f(r['prediction_precision'])}, "
+                chance = doc["model"]["top_k"] / doc["model"]["experts"]
+                text += (f"; prediction precision {_f(r['prediction_precision'])} (a random "
+                         f"guess: {chance:.2f}), "
                          f"{_f(r['prefetch_loads_per_token'], 1)} prefetch loads per token of "
                          f"which {_f(r['prefetch_used_per_token'], 1)} were used")
             out.append(text + ".")
+    spread = [abs(a - b) / min(a, b) for r in doc["configs"] if "tok_s_by_load_order" in r
+              for a, b in [r["tok_s_by_load_order"]]]
+    if spread:
+        out.append(f"Noise: the same warm configuration differs by up to {max(spread):.0%} in "
+                   "median tok/s between the two load orders; differences of that size between "
+                   "configurations, and between the single cold passes, are not significant.")
     met = [f"`{t['routing']}` {t['target']} ({t['value']:.2f})" for t in doc["targets"]
            if t["met"]]
     missed = [f"`{t['routing']}` {t['target']} ({t['value']:.2f})" for t in doc["targets"]
@@ -707,17 +743,17 @@ def parse_budgets(text: str) -> list[float]:
               help="Trace: workload switch at this share of the tokens (default: none).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--prompt-tokens", default=16, show_default=True)
-@click.option("--decode-tokens", default=64, show_default=True)
+@click.option("--decode-tokens", default=48, show_default=True)
 @click.option("--skip-tokens", default=8, show_default=True,
               help="Decode tokens left out before the measured segment.")
 @click.option("--budgets", default="100,50,25,12.5", show_default=True,
               help="Percentages of all expert bytes.")
-@click.option("--repeats", default=5, show_default=True,
-              help="Measured passes of the warm configs (stock, 100%).")
+@click.option("--repeats", default=3, show_default=True,
+              help="Rounds of measured passes of the warm configs (stock, 100%), per load order.")
 @click.option("--cold-passes", default=1, show_default=True,
               help="Cold passes (fresh loads) of each config below 100%.")
 @click.option("--policy", default="wlfu", show_default=True)
-@click.option("--read-experts", default=64, show_default=True,
+@click.option("--read-experts", default=128, show_default=True,
               help="Experts read by the micro-benchmark.")
 @click.option("--profile", "profile_budget", type=float, default=None,
               help="Also cProfile one cold pass at this budget (%) with prefetch off, per routing "
