@@ -126,7 +126,6 @@ class ExpertCache:
         missing = slots < 0
         n_miss = int(missing.sum())
         stats.hits[layer] += len(experts) - n_miss
-        stats.seen[layer, experts] = True
         if n_miss < len(experts):
             policy.access(keys[~missing])
         stats.misses[layer] += n_miss

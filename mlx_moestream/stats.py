@@ -33,7 +33,6 @@ class Stats:
         self.prefetch_loads = np.zeros(n, np.int64)
         self.prefetch_used = np.zeros(n, np.int64)
         self.read_errors = 0
-        self.seen = np.zeros((n, num_experts), np.bool_)
         # Tokens routed to each expert, raw and halved every `half_life_tokens`: what a profile saves.
         self.activations = np.zeros((n, num_experts), np.int64)
         self.decayed = np.zeros((n, num_experts), np.float64)
@@ -74,7 +73,7 @@ class Stats:
             "evictions": int(self.evictions[i]),
             "bytes_read": int(self.bytes_read[i]),
             "read_ms": float(self.read_seconds[i] * 1e3),
-            "unique_experts": int(self.seen[i].sum()),
+            "unique_experts": int((self.activations[i] > 0).sum()),
             "hit_rate": _rate(self.hits[i], self.misses[i]),
             "stall_ms": float(self.stall_seconds[i] * 1e3),
             "prefetch_loads": int(self.prefetch_loads[i]),
@@ -94,7 +93,7 @@ class Stats:
             "evictions": int(self.evictions.sum()),
             "bytes_read": int(self.bytes_read.sum()),
             "read_ms": float(self.read_seconds.sum() * 1e3),
-            "unique_experts": int(self.seen.sum()),
+            "unique_experts": int((self.activations > 0).sum()),
             "stall_ms": float(self.stall_seconds.sum() * 1e3),
             "syncs": self.syncs,
             "syncs_per_token": self.syncs / self.tokens if self.tokens else 0.0,
