@@ -74,8 +74,9 @@ def resolve_budget(
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return f"{n:.1f} GiB"
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
