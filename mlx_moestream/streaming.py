@@ -224,6 +224,7 @@ class StreamingExperts(nn.Module):
         if runtime.prefetch:
             runtime.prefetch_next(self.layer, x)
         mx.eval(y)  # see the module docstring: no pending reads of a slot
+        runtime.stats.syncs += 1
         return y
 
     def _rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
@@ -335,7 +336,8 @@ class Runtime:
         return np.where(valid, ids, -1), routed, np.where(valid, ids, fill)
 
     def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
-        """Slots for routed `ids`, loading misses; None when the call needs more than fit."""
+        """Slots for routed `ids`, loading misses; None when the call needs more than fit.
+        Called after the host sync on the routing, which it counts."""
         self.stats.syncs += 1
         if self.inflight:
             self._settle(layer)

@@ -6,13 +6,16 @@ Builds (once, cached in --model-dir) a random-weight model with Qwen3-30B-A3B's 
 
 - stock mlx-lm, fully resident;
 - mlx-moestream at 100% of the expert bytes (warm: every routed expert resident), prefetch
-  off and on; these three are loaded together and their passes interleaved;
+  off and on; these three are loaded together and their passes interleaved, twice (loaded in
+  one order, then in the reverse order);
 - mlx-moestream at 50%, 25%, 12.5% (cold: fresh load, the model file dropped from the page
   cache, so misses read from disk), prefetch off and on.
 
 Decode tokens/s is measured over a steady segment after the prompt (the first --skip-tokens
 decode tokens are left out), with the statistics of that same segment. `--routing trace`
-replaces the routing of every MoE layer by a synthetic trace (identically for both models).
+replaces the routing of every MoE layer by a synthetic trace (identically for both models);
+`--routing both` runs everything with the trace and again with the model's own router.
+`--profile 25` adds a cProfile of one more cold pass at 25%: where a token's time goes.
 
 A micro-benchmark times cold and warm reads of single experts through the store (pread into a
 slot) and through mmap; the cold concurrent store read rate is the disk bandwidth of the
@@ -503,7 +506,7 @@ def config_row(r: dict) -> str:
         return _f(value * scale if value is not None else None, digits) if when else "-"
 
     return " | ".join([
-        f"| {r['name']}", _f(r["tok_s"]), _f(r["ratio_to_stock"]), cell("hit_rate", 3),
+        f"| {r['name']}", _f(r["tok_s"]), _f(r["ratio_to_stock"], 3), cell("hit_rate", 3),
         cell("bytes_read_per_token", 1, 1e-6), cell("read_GBps"), cell("stall_ms_per_token", 1),
         cell("syncs_per_token", 1),
         f"{cell('prediction_precision', when=prefetch)} / "
@@ -581,7 +584,10 @@ def markdown(doc: dict) -> str:
         "on 4 threads at once, so the aggregate rate can be higher). I/O-bound prediction: "
         "1 / (1 / tok/s at 100% with the same prefetch setting + bytes read per token / disk "
         f"bandwidth), with the disk bandwidth measured cold in this run: "
-        f"{disk['disk_GBps']:.2f} GB/s (below). Memory: MLX peak and active memory above what "
+        f"{disk['disk_GBps']:.2f} GB/s (below). syncs/token: as `stats()` counts them (one "
+        "read of the routed ids per layer, one per prediction); the `mx.eval` of each layer's "
+        "expert output in `StreamingExperts.__call__` is one more host sync per layer that it "
+        "does not count. Memory: MLX peak and active memory above what "
         "was allocated before the config's load (the slot pool or all experts, the dense "
         "weights, the KV cache, temporaries).",
         "",
@@ -614,7 +620,7 @@ def markdown(doc: dict) -> str:
     lines += ["", "## Targets", "", "| routing | target | measured | met | context |",
               "|---|---|---|---|---|"]
     for t in doc["targets"]:
-        lines.append(f"| {t['routing']} | {t['target']} | {t['value']:.2f} | "
+        lines.append(f"| {t['routing']} | {t['target']} | {t['value']:.3f} | "
                      f"{'yes' if t['met'] else 'no'} | {t.get('context', '')} |")
     lines += ["", "## Reading", ""] + [f"- {s}" for s in doc["reading"]] + [""]
     return "\n".join(lines)
@@ -633,7 +639,7 @@ def reading(doc: dict) -> list[str]:
             if r["budget_percent"] >= 100:
                 out.append(
                     f"{where}: {r['tok_s']:.2f} tok/s against {stock['tok_s']:.2f} for stock "
-                    f"({r['ratio_to_stock']:.2f}x, {r['ms_per_token'] - stock['ms_per_token']:+.1f}"
+                    f"({r['ratio_to_stock']:.3f}x, {r['ms_per_token'] - stock['ms_per_token']:+.1f}"
                     f" ms/token) with every expert resident. Median tok/s by load order: "
                     f"{r['tok_s_by_load_order'][0]:.2f} then {r['tok_s_by_load_order'][1]:.2f} "
                     f"(stock {stock['tok_s_by_load_order'][0]:.2f} then "
@@ -662,9 +668,9 @@ def reading(doc: dict) -> list[str]:
         out.append(f"Noise: the same warm configuration differs by up to {max(spread):.0%} in "
                    "median tok/s between the two load orders; differences of that size between "
                    "configurations, and between the single cold passes, are not significant.")
-    met = [f"`{t['routing']}` {t['target']} ({t['value']:.2f})" for t in doc["targets"]
+    met = [f"`{t['routing']}` {t['target']} ({t['value']:.3f})" for t in doc["targets"]
            if t["met"]]
-    missed = [f"`{t['routing']}` {t['target']} ({t['value']:.2f})" for t in doc["targets"]
+    missed = [f"`{t['routing']}` {t['target']} ({t['value']:.3f})" for t in doc["targets"]
               if not t["met"]]
     out.append("Targets met: " + ("; ".join(met) if met else "none") + ".")
     out.append("Targets not met: " + ("; ".join(missed) if missed else "none") + ".")
