@@ -64,11 +64,7 @@ class LRU(Policy):
         self.order[key] = None
 
     def victim(self, protected: set[int]) -> int:
-        for key in self.order:
-            if key not in protected:
-                del self.order[key]
-                return key
-        raise _all_in_use()
+        return _pop_oldest(self.order, protected)
 
     def remove(self, key: int) -> None:
         del self.order[key]
@@ -213,11 +209,7 @@ class SLRU(Policy):
         key = probation.pop_min(self.entered[probation.active], protected, tie=self.count)
         if key is not None:
             return key
-        for key in self.protected:
-            if key not in protected:
-                del self.protected[key]
-                return key
-        raise _all_in_use()
+        return _pop_oldest(self.protected, protected)
 
     def remove(self, key: int) -> None:
         if key in self.protected:
@@ -311,6 +303,15 @@ def make_policy(name: str, capacity: int, num_keys: int, **options) -> Policy:
             f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}"
         ) from None
     return cls(capacity, num_keys, **options)
+
+
+def _pop_oldest(order: OrderedDict, protected: set[int]) -> int:
+    """Remove and return the least recent key of `order` that is not in `protected`."""
+    for key in order:
+        if key not in protected:
+            del order[key]
+            return key
+    raise _all_in_use()
 
 
 _GUARD = 1e12  # added to the score of recently used experts: above any count

@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_write_text
 
 SCHEMA = "mlx-moestream-profile"
 VERSION = 1
@@ -128,20 +129,6 @@ def _describe(model: dict) -> str:
     return (f"{model.get('model_type')} ({model.get('moe_layers')} MoE layers x "
             f"{model.get('experts')} experts, top-{model.get('top_k')}, "
             f"fingerprint {str(model.get('fingerprint'))[:12]})")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes files private; these are shareable documents
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def user_dir() -> Path:

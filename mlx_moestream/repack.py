@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .loader import load_lazy
-from .profiles import atomic_write_text
+from .files import atomic_write_text
 from .store import REPACK_DIR, REPACK_SCHEMA, manifest_checksum, source_digest
 
 

@@ -10,15 +10,15 @@ Plain numpy (no mlx), like the cache and the policies that replay it.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import os
-import secrets
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_write
 
 _REQUIRED = ("experts", "num_experts")
 _OPTIONAL = ("weights", "segment_id")
@@ -82,25 +82,14 @@ class Trace:
         return cls(**fields)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the trace atomically: a temporary file in the same folder, then a rename."""
+        """Write the trace atomically (see `files.atomic_write`)."""
         path = Path(path)
         arrays = {"experts": self.experts, "num_experts": np.int64(self.num_experts)}
         if self.weights is not None:
             arrays["weights"] = self.weights
         if self.segment_id is not None:
             arrays["segment_id"] = self.segment_id
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez_compressed(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
 
     def usage(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """How many tokens in [start, stop) used each expert: float [layers, num_experts]."""
