@@ -403,13 +403,15 @@ class Runtime:
         nxt = layer + 1
         if nxt >= self.plan.num_layers or self.routers[nxt] is None:
             return
+        cache = self.caches[self.pool_of[nxt]]
+        if (cache.slot_of[nxt] >= 0).all():  # nothing to read: skip the prediction's sync
+            return
         k = self.plan.top_k
         logits = self.routers[nxt](x)
         top = np.array(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])  # host sync
         self.stats.syncs += 1
         predicted = np.unique(top)
         self.predicted[nxt] = predicted
-        cache = self.caches[self.pool_of[nxt]]
         if len(predicted) + len(self._current) > cache.capacity(nxt):
             return
         loads = cache.prefetch(nxt, predicted, self._current)
