@@ -80,10 +80,9 @@ class ExpertCache:
         self.stats = stats
         num_layers = len(stats.layer_names)
         self.slot_of = np.full((num_layers, num_experts), -1, np.int32)
+        self.slot_by_key = self.slot_of.reshape(-1)  # the same array, indexed by key
         self.key_of = np.arange(num_layers * num_experts).reshape(num_layers, num_experts)
-        self.key_of_slot = np.full(num_slots, -1, np.int64)
         self.free = list(range(num_slots - 1, -1, -1))
-        self.count = np.zeros(num_layers, np.int64)
         self.pinned = np.zeros(num_layers * num_experts, np.bool_)
         self.pinned_count = np.zeros(num_layers, np.int64)
         self.any_pinned = False
@@ -124,54 +123,50 @@ class ExpertCache:
             policy.access(keys)
             return []
         missing = slots < 0
-        n_miss = int(missing.sum())
+        n_miss = int(np.count_nonzero(missing))
         stats.hits[layer] += len(experts) - n_miss
         if n_miss < len(experts):
             policy.access(keys[~missing])
         stats.misses[layer] += n_miss
-        protected = set(keys.tolist())
-        loads = []
-        for expert, key in zip(experts[missing].tolist(), keys[missing].tolist()):
-            slot = self._take_slot(layer, policy, protected)
-            self._place(layer, expert, key, slot)
-            loads.append((expert, slot))
-        return loads
+        return self._load(layer, policy, experts[missing], keys[missing], set(keys.tolist()))
 
     def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]) -> list[tuple[int, int]]:
         """Make predicted `experts` resident ahead of need, through the policy like any load.
 
         Counts no hit or miss and leaves resident experts untouched; never evicts a key in
-        `protected` (those a pending computation still reads). Returns the loads to issue.
+        `protected` (those a pending computation still reads). The policy ranks the new keys as
+        unused until a call routes to them. Returns the loads to issue.
         """
         experts = experts[self.slot_of[layer][experts] < 0]
         keys = self.key_of[layer][experts]
-        protected = protected | set(keys.tolist())
-        policy = self.policy_of[layer]
-        loads = []
-        for expert, key in zip(experts.tolist(), keys.tolist()):
-            slot = self._take_slot(layer, policy, protected)
-            self._place(layer, expert, key, slot)
-            loads.append((expert, slot))
-        return loads
+        return self._load(layer, self.policy_of[layer], experts, keys,
+                          protected | set(keys.tolist()), used=False)
 
-    def _take_slot(self, layer: int, policy: Policy, protected: set[int]) -> int:
-        if self.free and self.count[layer] < self.limit[layer]:
-            return self.free.pop()
-        victim = policy.victim(protected)
-        v_layer, v_expert = divmod(victim, self.num_experts)
-        slot = int(self.slot_of[v_layer, v_expert])
-        self.slot_of[v_layer, v_expert] = -1
-        self.count[v_layer] -= 1
-        self.stats.evictions[v_layer] += 1
-        return slot
+    def _load(self, layer: int, policy: Policy, experts: np.ndarray, keys: np.ndarray,
+              protected: set[int], used: bool = True) -> list[tuple[int, int]]:
+        """Give non-resident `experts` slots: free ones first, then the policy's victims (one
+        batch for the whole call). Returns the (expert, slot) pairs to load."""
+        n = len(experts)
+        if not n:
+            return []
+        free = min(n, len(self.free))
+        if self.per_layer:
+            free = max(0, min(free, self.limit[layer] - self.resident_in(layer)))
+        slots = [self.free.pop() for _ in range(free)]
+        if free < n:  # a few victims: scalar updates beat array ones here
+            slot_by_key, evictions = self.slot_by_key, self.stats.evictions
+            for victim in policy.victims(n - free, protected):
+                slots.append(int(slot_by_key[victim]))
+                slot_by_key[victim] = -1
+                evictions[victim // self.num_experts] += 1
+        self._place(layer, experts, keys, slots, used)
+        return list(zip(experts.tolist(), slots))
 
     def discard(self, layer: int, expert: int) -> None:
         """Forget a resident expert whose load failed, so its slot is never read as valid."""
         slot = int(self.slot_of[layer, expert])
         self.policy_of[layer].remove(layer * self.num_experts + expert)
         self.slot_of[layer, expert] = -1
-        self.key_of_slot[slot] = -1
-        self.count[layer] -= 1
         self.free.append(slot)
 
     def tick(self, tokens: int) -> None:
@@ -180,17 +175,17 @@ class ExpertCache:
 
     def admit(self, layer: int, expert: int) -> int | None:
         """Pre-warm: give an expert a free slot (never evicting); None when none is left."""
-        if self.slot_of[layer, expert] >= 0 or not self.free or self.count[layer] >= self.limit[layer]:
+        if (self.slot_of[layer, expert] >= 0 or not self.free
+                or self.resident_in(layer) >= self.limit[layer]):
             return None
         slot = self.free.pop()
-        self._place(layer, expert, int(self.key_of[layer, expert]), slot)
+        self._place(layer, np.array([expert]), self.key_of[layer, [expert]], [slot])
         return slot
 
-    def _place(self, layer: int, expert: int, key: int, slot: int) -> None:
-        self.slot_of[layer, expert] = slot
-        self.key_of_slot[slot] = key
-        self.count[layer] += 1
-        self.policy_of[layer].insert(key)
+    def _place(self, layer: int, experts: np.ndarray, keys: np.ndarray, slots: list[int],
+               used: bool = True) -> None:
+        self.slot_of[layer][experts] = slots
+        self.policy_of[layer].insert(keys, used)
 
     def pin(self, layer: int, expert: int) -> None:
         """Keep a resident expert for good: it leaves its policy, so it is never a victim."""
@@ -207,6 +202,10 @@ class ExpertCache:
         """Start the policies' frequency state from a saved activation profile `{key: count}`."""
         for policy in self.policies:
             policy.seed(counts)
+
+    def resident_in(self, layer: int) -> int:
+        """Experts of `layer` holding a slot, pinned ones included."""
+        return int(np.count_nonzero(self.slot_of[layer] >= 0))
 
     @property
     def resident(self) -> int:

@@ -19,10 +19,14 @@ class Policy:
     """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
 
     Calls: `access(keys)` with the resident keys one call used (hits: distinct keys, a numpy
-    integer array), `insert(key)` when a key becomes resident (a miss), `victim(protected)` to
-    remove and return the key to evict next (never one in `protected`, the keys of the current
-    call), `remove(key)` when a key leaves without eviction, `tick(tokens)` to advance the token
-    clock, `seed(counts)` to start from a saved activation profile (`{key: count}`).
+    integer array), `insert(keys)` when keys become resident (a call's misses, same form; with
+    `used=False` a prefetch, which is ranked as unused until a call uses it, so a wrong
+    prediction is the first to go),
+    `victims(n, protected)` to remove and return the next `n` keys to evict (never one in
+    `protected`, the keys of the current call), `remove(key)` when a key leaves without eviction,
+    `tick(tokens)` to advance the token clock, `seed(counts)` to start from a saved activation
+    profile (`{key: count}`). A call's misses come as one `victims` and one `insert`, so a policy
+    can choose them together.
     """
 
     def __init__(self, capacity: int, num_keys: int):
@@ -32,10 +36,10 @@ class Policy:
     def access(self, keys: np.ndarray) -> None:
         raise NotImplementedError
 
-    def insert(self, key: int) -> None:
+    def insert(self, keys: np.ndarray, used: bool = True) -> None:
         raise NotImplementedError
 
-    def victim(self, protected: set[int]) -> int:
+    def victims(self, n: int, protected: set[int]) -> list[int]:
         raise NotImplementedError
 
     def remove(self, key: int) -> None:
@@ -60,11 +64,14 @@ class LRU(Policy):
         for key in keys.tolist():
             move(key)
 
-    def insert(self, key: int) -> None:
-        self.order[key] = None
+    def insert(self, keys: np.ndarray, used: bool = True) -> None:
+        self.order.update(dict.fromkeys(keys.tolist()))
+        if not used:
+            for key in keys.tolist():
+                self.order.move_to_end(key, last=False)
 
-    def victim(self, protected: set[int]) -> int:
-        return _pop_oldest(self.order, protected)
+    def victims(self, n: int, protected: set[int]) -> list[int]:
+        return [_pop_oldest(self.order, protected) for _ in range(n)]
 
     def remove(self, key: int) -> None:
         del self.order[key]
@@ -89,18 +96,16 @@ class LFU(Policy):
         self.count[keys] += 1
         self.last_use[keys] = self.uses
 
-    def insert(self, key: int) -> None:
-        self.uses += 1
-        self.count[key] += 1
-        self.last_use[key] = self.uses
-        self.resident.add(key)
+    def insert(self, keys: np.ndarray, used: bool = True) -> None:
+        if used:
+            self.access(keys)
+        for key in keys.tolist():
+            self.resident.add(key)
 
-    def victim(self, protected: set[int]) -> int:
+    def victims(self, n: int, protected: set[int]) -> list[int]:
         resident = self.resident
-        key = resident.pop_min(self.count[resident.active], protected, tie=self.last_use)
-        if key is None:
-            raise _all_in_use()
-        return key
+        return [resident.pop_min(self.count[resident.active], protected, tie=self.last_use)
+                for _ in range(n)]
 
     def remove(self, key: int) -> None:
         self.resident.drop(key)
@@ -109,13 +114,14 @@ class LFU(Policy):
         _add_counts(self.count, counts)
 
 
-class WindowLFU(LFU):
+class WindowLFU(Policy):
     """LFU over a sliding window, behind a short recency guard.
 
-    Counts halve each time the token clock crosses a multiple of `half_life`, so a use
+    Counts decay by half each time the token clock crosses a multiple of `half_life`, so a use
     `half_life` tokens ago weighs half a use now: the cache follows a workload that shifts
     mid-session, experts it stops using decay out, and counts of experts that left keep growing
-    until they win a slot back. Seeded counts decay the same way.
+    until they win a slot back. Seeded counts decay the same way. Among equal counts the least
+    recently used goes first.
 
     Experts used in the last `recent_tokens` tokens (this one and the previous, by default) are
     evicted only when no other resident is left: consecutive tokens share many experts, and
@@ -123,6 +129,13 @@ class WindowLFU(LFU):
     fill more than `guard_share` of the capacity, only the current token's are guarded, so the
     policy does not decay into LRU at small budgets. On synthetic traces with strong
     token-to-token reuse the guard turns a 5-19 point loss to LRU into a gain.
+
+    Cost (the default policy runs on every MoE layer call): nothing is rescanned per use.
+    Instead of halving every count, a use adds `2 ** (tokens // half_life)`, which keeps the
+    order (counts are rescaled rarely, to stay finite). A use cannot make an expert evictable
+    within its token, so the evictable experts are ranked once per token, least count first,
+    and victims are read off that order; only the lowest `_RANK_SIZE` counts are sorted, more
+    when a token evicts more.
     """
 
     def __init__(self, capacity: int, num_keys: int, half_life: int = 64, recent_tokens: int = 2,
@@ -130,37 +143,109 @@ class WindowLFU(LFU):
         super().__init__(capacity, num_keys)
         if half_life < 1:
             raise ValueError(f"half_life must be at least 1 token, got {half_life}")
+        if recent_tokens < 1:
+            raise ValueError(f"recent_tokens must be at least 1, got {recent_tokens}")
         self.half_life = half_life
-        self.recent_tokens = recent_tokens
-        self.guard_share = guard_share
+        self.guard_limit = capacity * guard_share
+        self.count = np.zeros(num_keys)  # decayed uses, times `weight`
+        self.weight = 1.0  # what one use adds now
+        self.rescaled = 0  # halvings already applied to `count`
         self.tokens = 0
-        self.last_token = np.full(num_keys, -recent_tokens, np.int64)
+        self.uses = 0  # calls to `access` so far
+        self.last_use = np.zeros(num_keys, np.int64)  # `uses` at the key's latest use; 0: never
+        self.starts = [0] * recent_tokens  # `uses` before each guarded token, oldest first
+        self.resident = np.zeros(num_keys, np.bool_)
+        self.guarded = 0  # guarded residents at the latest count, plus
+        self.touched = 0  # keys used since then (a bound on the guarded ones added)
+        self._forget_order()
 
     def access(self, keys: np.ndarray) -> None:
-        super().access(keys)
-        self.last_token[keys] = self.tokens
+        self.uses += 1
+        self.touched += len(keys)
+        self.count[keys] += self.weight
+        self.last_use[keys] = self.uses
 
-    def insert(self, key: int) -> None:
-        super().insert(key)
-        self.last_token[key] = self.tokens
+    def insert(self, keys: np.ndarray, used: bool = True) -> None:
+        if used:
+            self.uses += 1
+            self.touched += len(keys)
+            self.count[keys] += self.weight
+            self.last_use[keys] = self.uses
+        self.resident[keys] = True
 
-    def victim(self, protected: set[int]) -> int:
-        active = self.resident.active
-        age = self.tokens - self.last_token[active]
-        recent = age < self.recent_tokens
-        if recent.sum() > self.capacity * self.guard_share:
-            recent = age < 1
-        key = self.resident.pop_min(self.count[active] + recent * _GUARD, protected,
-                                    tie=self.last_use)
-        if key is None:
-            raise _all_in_use()
-        return key
+    def remove(self, key: int) -> None:
+        self.resident[key] = False
+        self._forget_order()
+
+    def victims(self, n: int, protected: set[int]) -> list[int]:
+        if self.level == 0 and self.guarded + self.touched > self.guard_limit:
+            self._forget_order()  # the guard may be over its share: rank again, counting
+        chosen: list[int] = []
+        resident, last_use = self.resident, self.last_use
+        while len(chosen) < n:
+            while self.next == len(self.order):
+                self._rank(protected)
+            key = self.order[self.next]
+            self.next += 1
+            if last_use[key] <= self.evictable_below and key not in protected:
+                resident[key] = False
+                chosen.append(key)
+        return chosen
+
+    def _rank(self, protected: set[int]) -> None:
+        """Order the next candidates, least count first. Once all candidates are ranked, the
+        next call widens them: the unguarded (guarding only the current token's experts when
+        the guard is over its share), then all but the current token's, then every resident
+        but `protected`."""
+        level = min(self.level + 1, 2) if self.complete else self.level
+        active = self.resident.nonzero()[0]
+        recency = self.last_use[active]
+        below = (self.starts[0], self.starts[-1], self.uses)[level]
+        if level == 0:
+            self.guarded, self.touched = int(np.count_nonzero(recency > below)), 0
+            if self.guarded > self.guard_limit:
+                level, below = 1, self.starts[-1]
+        eligible = active[recency <= below]
+        if level == 2:
+            eligible = eligible[~np.isin(eligible, list(protected))]
+            if not len(eligible):
+                raise _all_in_use()
+        count = self.count[eligible]
+        self.complete = len(eligible) <= _RANK_SIZE
+        if not self.complete:  # the lowest counts, every key of the highest of them included
+            keep = count <= np.partition(count, _RANK_SIZE)[_RANK_SIZE]
+            eligible, count = eligible[keep], count[keep]
+        order = np.lexsort((self.last_use[eligible], count))
+        self.order = eligible[order].tolist()
+        self.next = 0
+        self.level = level
+        self.evictable_below = below  # keys used after `uses` reached this are guarded
+
+    def _forget_order(self) -> None:
+        self.order: list[int] = []
+        self.next = 0
+        self.level = -1
+        self.complete = True
 
     def tick(self, tokens: int) -> None:
-        halvings = (self.tokens + tokens) // self.half_life - self.tokens // self.half_life
-        self.tokens += tokens
-        if halvings:
+        guarded = len(self.starts)
+        self.starts = (self.starts + [self.uses] * min(tokens, guarded))[-guarded:]
+        clock = self.tokens + tokens
+        self.tokens = clock
+        halvings = clock // self.half_life - self.rescaled
+        if halvings > 512:  # rescale before the weight overflows; the order is unchanged
             self.count *= 0.5**halvings
+            self.rescaled += halvings
+            halvings = 0
+        self.weight = 2.0**halvings
+        self._forget_order()
+
+    def seed(self, counts: dict[int, float]) -> None:
+        _add_counts(self.count, counts, self.weight)
+        self._forget_order()
+
+
+_RANK_SIZE = 256  # candidates sorted at once: more than a token evicts at common shapes
 
 
 class SLRU(Policy):
@@ -196,20 +281,26 @@ class SLRU(Policy):
             if len(protected) > self.protected_slots:
                 self._enter_probation(protected.popitem(last=False)[0])
 
-    def insert(self, key: int) -> None:
-        self.count[key] += 1
-        self._enter_probation(key)
+    def insert(self, keys: np.ndarray, used: bool = True) -> None:
+        if used:
+            self.count[keys] += 1
+        for key in keys.tolist():
+            self._enter_probation(key)
+            if not used:
+                self.entered[key] = -1  # before every key that a call used
 
     def _enter_probation(self, key: int) -> None:
         self.probation.add(key)
         self.entered[key] = self.tokens
 
-    def victim(self, protected: set[int]) -> int:
+    def victims(self, n: int, protected: set[int]) -> list[int]:
         probation = self.probation
-        key = probation.pop_min(self.entered[probation.active], protected, tie=self.count)
-        if key is not None:
-            return key
-        return _pop_oldest(self.protected, protected)
+        chosen = []
+        for _ in range(n):
+            key = probation.pop_min(self.entered[probation.active], protected, tie=self.count,
+                                    or_none=True)
+            chosen.append(_pop_oldest(self.protected, protected) if key is None else key)
+        return chosen
 
     def remove(self, key: int) -> None:
         if key in self.protected:
@@ -270,16 +361,15 @@ class Belady(Policy):
         for key in keys.tolist():
             self._use(key)
 
-    def insert(self, key: int) -> None:
-        self._use(key)
-        self.resident.add(key)
+    def insert(self, keys: np.ndarray, used: bool = True) -> None:
+        for key in keys.tolist():
+            if used:
+                self._use(key)
+            self.resident.add(key)
 
-    def victim(self, protected: set[int]) -> int:
+    def victims(self, n: int, protected: set[int]) -> list[int]:
         resident = self.resident
-        key = resident.pop_min(-self.next_use[resident.active], protected)
-        if key is None:
-            raise _all_in_use()
-        return key
+        return [resident.pop_min(-self.next_use[resident.active], protected) for _ in range(n)]
 
     def remove(self, key: int) -> None:
         self.resident.drop(key)
@@ -314,9 +404,6 @@ def _pop_oldest(order: OrderedDict, protected: set[int]) -> int:
     raise _all_in_use()
 
 
-_GUARD = 1e12  # added to the score of recently used experts: above any count
-
-
 class _Resident:
     """Resident keys packed at the front of an array, so choosing a victim is one argmin."""
 
@@ -346,17 +433,19 @@ class _Resident:
         self.pos[moved] = i
         self.pos[key] = -1
 
-    def pop_min(self, score: np.ndarray, protected: set[int], tie: np.ndarray | None = None):
+    def pop_min(self, score: np.ndarray, protected: set[int], tie: np.ndarray | None = None,
+                or_none: bool = False) -> int | None:
         """Drop and return the key of least `score` (one float per `active` key, overwritten),
-        skipping `protected`; among equal scores the least `tie[key]`. None if all are protected."""
+        skipping `protected`; among equal scores the least `tie[key]`. When every key is
+        protected: None if `or_none`, else an error."""
         if protected:
             at = self.pos[list(protected)]
             score[at[at >= 0]] = np.inf
-        if not len(score):
-            return None
-        i = int(score.argmin())
-        if score[i] == np.inf:
-            return None
+        i = int(score.argmin()) if len(score) else -1
+        if i < 0 or score[i] == np.inf:
+            if or_none:
+                return None
+            raise _all_in_use()
         if tie is not None:
             equal = (score == score[i]).nonzero()[0]
             if len(equal) > 1:
@@ -366,14 +455,14 @@ class _Resident:
         return key
 
 
-def _add_counts(count: np.ndarray, counts: dict[int, float]) -> None:
+def _add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0) -> None:
     keys = np.fromiter(counts.keys(), np.int64, len(counts))
     values = np.fromiter(counts.values(), np.float64, len(counts))
     if len(keys) and (keys.min() < 0 or keys.max() >= len(count)):
         raise ValueError(f"seed keys must be in [0, {len(count)}), got {keys.min()}..{keys.max()}")
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("seed counts must be finite and non-negative")
-    np.add.at(count, keys, values)
+    np.add.at(count, keys, values * weight)
 
 
 def _all_in_use() -> RuntimeError:

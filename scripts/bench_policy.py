@@ -1,10 +1,13 @@
 """Bookkeeping cost and hit rates of every eviction policy. Prints JSON.
 
-Cost: microseconds per MoE layer per token spent in `ExpertCache.request` + `tick` (the cache
-and the policy; no expert is read), at top-k 8, 128 experts, 48 layers, one pool for all layers:
+Cost: microseconds per MoE layer per token, at top-k 8, 128 experts, 48 layers, one pool for all
+layers (no expert is read):
   - `hit_us`: every expert fits and is resident, so every request is a hit (steady state);
   - `miss_us`: the synthetic drift trace at 25% and 50% capacity, after a warm-up of a quarter
     of the trace; `miss_rate` is the share of accesses that missed while timed.
+Each gives `us`, the whole `ExpertCache.request` + `tick` (residency map, statistics and policy),
+and `policy_us`, the policy's own calls (`access`, `insert`, `victims`, `tick`): the calls the
+cache made, recorded and replayed on a fresh policy, timed with the replay loop's overhead.
 Hit rates: each policy replayed on synthetic drift traces (see `synthetic_trace`; the workload
 switches halfway) at 10%, 25% and 50% capacity, with the difference to LRU in points and the
 tokens each needs to recover after the switch (see `replay`). Timings are the fastest of
@@ -19,6 +22,7 @@ import json
 import sys
 import time
 from functools import partial
+from typing import Callable
 from pathlib import Path
 
 import click
@@ -28,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_moestream.cache import ExpertCache  # noqa: E402
-from mlx_moestream.policies import POLICIES, Belady, Future  # noqa: E402
+from mlx_moestream.policies import POLICIES, Belady, Future, Policy, make_policy  # noqa: E402
 from mlx_moestream.replay import sweep  # noqa: E402
 from mlx_moestream.stats import Stats  # noqa: E402
 from mlx_moestream.trace import synthetic_trace  # noqa: E402
@@ -41,17 +45,36 @@ def time_requests(name: str, slots: int, rows: list[list[np.ndarray]], num_exper
     return min(runs, key=lambda r: r["us"])
 
 
+class Recorder:
+    """Forwards every call to `policy` and logs it, to replay later."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str):
+        method = getattr(self.policy, name)
+
+        def call(*args):
+            self.calls.append((name, args))
+            return method(*args)
+
+        return call
+
+
 def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: int,
               warm_tokens: int) -> dict:
-    """Replay `rows[token][layer]` through a fresh cache; time all but the first `warm_tokens`."""
+    """Replay `rows[token][layer]` through a fresh cache; time all but the first `warm_tokens`,
+    then time the policy calls of that part alone."""
     layers = len(rows[0])
     num_keys = layers * num_experts
-    policy = name
     if name == "belady":
         future = np.concatenate([r + l * num_experts for row in rows for l, r in enumerate(row)])
-        policy = partial(Belady, num_keys=num_keys, future=Future(future, num_keys))
+        new_policy = partial(Belady, num_keys=num_keys, future=Future(future, num_keys))
+    else:
+        new_policy = partial(make_policy, name, num_keys=num_keys)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
-    cache = ExpertCache(slots, list(range(layers)), num_experts, stats, policy)
+    cache = ExpertCache(slots, list(range(layers)), num_experts, stats, new_policy)
     request, tick = cache.request, cache.tick
     for row in rows[:warm_tokens]:
         tick(1)
@@ -65,10 +88,37 @@ def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: 
             request(layer, experts)
     seconds = time.perf_counter() - start
     hits, misses = int(stats.hits.sum()) - hits0, int(stats.misses.sum()) - misses0
+    per_call = (len(rows) - warm_tokens) * layers
     return {
-        "us": round(seconds / ((len(rows) - warm_tokens) * layers) * 1e6, 2),
+        "us": round(seconds / per_call * 1e6, 2),
+        "policy_us": round(policy_seconds(new_policy, slots, rows, num_experts, warm_tokens)
+                           / per_call * 1e6, 2),
         "miss_rate": round(misses / (hits + misses), 4),
     }
+
+
+def policy_seconds(new_policy: Callable[[int], Policy], slots: int,
+                   rows: list[list[np.ndarray]], num_experts: int, warm_tokens: int) -> float:
+    """Seconds a policy spends on the calls a cache makes for `rows` after `warm_tokens`: the
+    calls are recorded from a cache run, then replayed on a fresh policy."""
+    layers = len(rows[0])
+    recorder = Recorder(new_policy(slots))
+    cache = ExpertCache(slots, list(range(layers)), num_experts,
+                        Stats([str(i) for i in range(layers)], num_experts), lambda _: recorder)
+    for i, row in enumerate(rows):
+        if i == warm_tokens:
+            warm_calls = len(recorder.calls)
+        cache.tick(1)
+        for layer, experts in enumerate(row):
+            cache.request(layer, experts)
+    policy = new_policy(slots)
+    calls = [(getattr(policy, name), args) for name, args in recorder.calls]
+    for method, args in calls[:warm_calls]:
+        method(*args)
+    start = time.perf_counter()
+    for method, args in calls[warm_calls:]:
+        method(*args)
+    return time.perf_counter() - start
 
 
 def rows_of(experts: np.ndarray) -> list[list[np.ndarray]]:
@@ -97,7 +147,7 @@ def main(layers: int, num_experts: int, top_k: int, tokens: int, repeats: tuple[
     for name in names:
         click.echo(f"timing {name}", err=True)
         cost[name] = {
-            "hit_us": time_requests(name, total, warm_rows, num_experts, 1)["us"],
+            "hit_us": time_requests(name, total, warm_rows, num_experts, 1),
             "miss_us": {
                 f"{round(f * 100)}%": time_requests(name, round(f * total), rows, num_experts,
                                                    tokens // 4)

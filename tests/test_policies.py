@@ -146,10 +146,22 @@ def test_victim_is_never_an_expert_of_the_current_call(name):
 @pytest.mark.parametrize("name", ONLINE)
 def test_a_call_with_every_slot_protected_raises(name):
     policy = make_policy(name, 2, 8)
-    policy.insert(0)
-    policy.insert(1)
+    policy.insert(np.array([0]))
+    policy.insert(np.array([1]))
     with pytest.raises(RuntimeError, match="in use"):
-        policy.victim({0, 1})
+        _victim(policy, {0, 1})
+
+
+@pytest.mark.parametrize("name", ONLINE)
+def test_a_prefetched_expert_that_no_call_used_is_evicted_first(name):
+    cache = _cache(3, layers=1, num_experts=8, policy=name)
+    for expert in (0, 1):
+        _request(cache, 0, [expert])
+        cache.tick(1)
+    cache.prefetch(0, np.array([2]), set())
+    cache.tick(3)  # every expert is past the recency guard
+    _request(cache, 0, [3])
+    assert _resident(cache) == {(0, 0), (0, 1), (0, 3)}
 
 
 def test_lfu_evicts_the_least_used_expert():
@@ -164,69 +176,68 @@ def test_lfu_evicts_the_least_used_expert():
 def test_lfu_breaks_count_ties_by_recency():
     policy = LFU(4, 8)
     for key in (5, 6, 7):
-        policy.insert(key)
+        policy.insert(np.array([key]))
     policy.access(np.array([5]))
     policy.access(np.array([7]))  # 5 and 7 used twice, 6 once
-    assert policy.victim(set()) == 6
-    assert policy.victim(set()) == 5
+    assert _victim(policy, set()) == 6
+    assert _victim(policy, set()) == 5
 
 
 def test_lfu_remembers_counts_of_experts_that_left():
     policy = LFU(2, 8)
-    policy.insert(1)
+    policy.insert(np.array([1]))
     policy.access(np.array([1]))
     policy.access(np.array([1]))
-    policy.victim(set())
-    policy.insert(1)  # returns with its earlier uses
-    policy.insert(2)
+    _victim(policy, set())
+    policy.insert(np.array([1]))  # returns with its earlier uses
+    policy.insert(np.array([2]))
     policy.access(np.array([2]))
-    assert policy.victim(set()) == 2
+    assert _victim(policy, set()) == 2
 
 
-def test_wlfu_halves_every_count_when_the_clock_crosses_a_half_life():
-    policy = WindowLFU(4, 8, half_life=4)
-    policy.insert(3)
-    policy.access(np.array([3]))
-    policy.tick(3)
-    assert policy.count[3] == 2
+def test_wlfu_weighs_a_use_one_half_life_ago_as_half_a_use_now():
+    policy = WindowLFU(2, 8, half_life=4, recent_tokens=1)
+    policy.insert(np.array([0, 1]))
+    policy.access(np.array([0]))
+    policy.access(np.array([0]))  # 0: three uses at token 0; 1: one
+    policy.tick(4)
+    policy.access(np.array([1]))  # 1: 0.5 + 1 now, 0: 1.5 now; 0 is the least recent
     policy.tick(1)
-    assert policy.count[3] == 1
-    policy.tick(8)  # two more crossings
-    assert policy.count[3] == 0.25
+    assert _victim(policy, set()) == 0
 
 
 def test_wlfu_lets_a_formerly_hot_expert_go_once_it_decays():
     policy = WindowLFU(2, 8, half_life=4)
-    policy.insert(0)
+    policy.insert(np.array([0]))
     for _ in range(8):
         policy.access(np.array([0]))
-    policy.insert(1)
-    assert policy.victim(set()) == 1  # 0 is hot
-    policy.insert(1)
+    policy.insert(np.array([1]))
+    assert _victim(policy, set()) == 1  # 0 is hot
+    policy.insert(np.array([1]))
     for _ in range(5):
         policy.tick(4)  # 9 uses of 0 halve to 0.28
         policy.access(np.array([1]))
-    assert policy.victim(set()) == 0
+    assert _victim(policy, set()) == 0
 
 
 def test_wlfu_keeps_an_expert_of_the_previous_token_over_a_more_frequent_older_one():
     policy = WindowLFU(2, 8, half_life=64, recent_tokens=2)
-    policy.insert(0)
+    policy.insert(np.array([0]))
     for _ in range(5):
         policy.access(np.array([0]))
     policy.tick(1)
     policy.tick(1)  # expert 0 was last used two tokens ago
-    policy.insert(1)  # used once, in this token
+    policy.insert(np.array([1]))  # used once, in this token
     policy.tick(1)  # next token: 1 is from the previous token, 0 is older
-    assert policy.victim(set()) == 0
+    assert _victim(policy, set()) == 0
 
 
 def test_wlfu_evicts_a_recent_expert_when_no_other_is_left():
     policy = WindowLFU(2, 8, recent_tokens=2)
-    policy.insert(0)
+    policy.insert(np.array([0]))
     policy.access(np.array([0]))
-    policy.insert(1)
-    assert policy.victim(set()) == 1  # both recent: the least used goes
+    policy.insert(np.array([1]))
+    assert _victim(policy, set()) == 1  # both recent: the least used goes
 
 
 def test_wlfu_rejects_a_half_life_below_one_token():
@@ -237,49 +248,49 @@ def test_wlfu_rejects_a_half_life_below_one_token():
 def test_slru_evicts_probation_before_protected():
     policy = SLRU(3, 8, protected_share=0.7)  # 2 protected slots
     for key in (0, 1, 2):
-        policy.insert(key)
+        policy.insert(np.array([key]))
     policy.access(np.array([0, 1]))  # promoted
-    assert policy.victim(set()) == 2
-    policy.insert(3)
-    assert policy.victim(set()) == 3
+    assert _victim(policy, set()) == 2
+    policy.insert(np.array([3]))
+    assert _victim(policy, set()) == 3
 
 
 def test_slru_demotes_the_least_recent_protected_key_when_the_segment_overflows():
     policy = SLRU(4, 8, protected_share=0.5)  # 2 protected slots
     for key in (0, 1, 2, 3):
-        policy.insert(key)
+        policy.insert(np.array([key]))
     policy.tick(1)
     policy.access(np.array([0]))
     policy.access(np.array([1]))
     policy.access(np.array([2]))  # protected holds 1, 2; 0 falls back to probation
     assert list(policy.protected) == [1, 2]
-    assert policy.victim(set()) == 3  # entered probation in token 0, before 0 came back
-    assert policy.victim(set()) == 0
+    assert _victim(policy, set()) == 3  # entered probation in token 0, before 0 came back
+    assert _victim(policy, set()) == 0
 
 
 def test_slru_breaks_ties_among_keys_entering_in_one_token_by_frequency():
     policy = SLRU(4, 8)
     policy.seed({5: 3.0})
     for key in (5, 6, 7):
-        policy.insert(key)
-    assert policy.victim(set()) in (6, 7)
-    assert policy.victim(set()) in (6, 7)
-    assert policy.victim(set()) == 5
+        policy.insert(np.array([key]))
+    assert _victim(policy, set()) in (6, 7)
+    assert _victim(policy, set()) in (6, 7)
+    assert _victim(policy, set()) == 5
 
 
 def test_belady_evicts_the_key_used_farthest_in_the_future():
     future = np.array([0, 1, 2, 1, 0])
     policy = Belady(2, 4, future)
-    policy.insert(0)
-    policy.insert(1)
-    assert policy.victim({2}) == 0  # 1 comes back before 0
-    policy.insert(2)
-    assert policy.victim({1}) == 2  # never used again
+    policy.insert(np.array([0]))
+    policy.insert(np.array([1]))
+    assert _victim(policy, {2}) == 0  # 1 comes back before 0
+    policy.insert(np.array([2]))
+    assert _victim(policy, {1}) == 2  # never used again
 
 
 def test_belady_refuses_a_use_the_future_does_not_hold():
     policy = Belady(2, 4, np.array([0, 1]))
-    policy.insert(1)
+    policy.insert(np.array([1]))
     with pytest.raises(RuntimeError, match="out of the order"):
         policy.access(np.array([1]))
 
@@ -360,7 +371,7 @@ def test_per_layer_slots_cap_each_layer():
     _request(cache, 0, [0, 1])
     _request(cache, 0, [2, 3])
     _request(cache, 1, [0, 1, 2])
-    assert cache.count.tolist() == [2, 3]
+    assert [cache.resident_in(0), cache.resident_in(1)] == [2, 3]
     assert cache.stats.evictions.tolist() == [2, 0]
 
 
@@ -405,3 +416,8 @@ def test_split_slots_stays_within_bounds_on_random_inputs():
 def test_split_slots_rejects_impossible_splits(args, match):
     with pytest.raises(ValueError, match=match):
         split_slots(*args)
+
+
+def _victim(policy, protected: set[int]) -> int:
+    (key,) = policy.victims(1, protected)
+    return key
