@@ -8,8 +8,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import struct
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +103,10 @@ def index_file(path: Path, file_id: int) -> dict[str, TensorInfo]:
     return tensors
 
 
+def _page_aligned(array: np.ndarray) -> bool:
+    return array.ctypes.data % mmap.PAGESIZE == 0 and array.flags.c_contiguous
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The shards mlx-lm would load, in a stable order."""
     files = sorted(model_dir.glob("model*.safetensors"))
@@ -180,7 +186,10 @@ class ExpertStore:
         for i, path in enumerate(self.files):
             self.tensors.update(index_file(path, i))
         self._fds: list[int] | None = None
+        self._direct: int | None = None  # experts.bin opened with O_DIRECT, when it can be
+        self._bounce = threading.local()  # each reader thread's page-aligned buffer
         self.layers: list[list[ExpertTensor]] = []
+        self.blocks: list[tuple[int, int] | None] = []  # (offset, stride) of repacked layers
         self.repacked: dict[str, dict] = {}
         folder = Path(repacked) if repacked else self.model_dir / REPACK_DIR
         if repacked or (folder / "manifest.json").exists():
@@ -208,9 +217,11 @@ class ExpertStore:
             located = [ExpertTensor(t["name"], bin_file,
                                     packed["offset"] + t["offset"] + experts * packed["stride"],
                                     t["nbytes"]) for t in packed["tensors"]]
+            self.blocks.append((packed["offset"], packed["stride"]))
         else:
             located = [self._locate(prefix, name, shape, nbytes, num_experts)
                        for name, (shape, nbytes) in params.items()]
+            self.blocks.append(None)
         self.layers.append(located)
         return len(self.layers) - 1
 
@@ -257,16 +268,27 @@ class ExpertStore:
             if self.drop_page_cache and hasattr(fcntl, "F_NOCACHE"):  # macOS
                 for fd in self._fds:
                     fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
+            if self.drop_page_cache and self.repacked and hasattr(os, "O_DIRECT"):
+                try:  # a file system without direct I/O fails here: read through the cache
+                    self._direct = os.open(self.files[-1], os.O_RDONLY | os.O_DIRECT)
+                    os.preadv(self._direct, [mmap.mmap(-1, mmap.PAGESIZE)], 0)
+                except OSError:
+                    if self._direct is not None:
+                        os.close(self._direct)
+                    self._direct = None
 
     def close(self) -> None:
-        for fd in self._fds or ():
+        for fd in [*(self._fds or ()), *([self._direct] if self._direct is not None else [])]:
             os.close(fd)
-        self._fds = None
+        self._fds = self._direct = None
 
     def read_expert(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """Read one expert's tensors straight into `dest` buffers, in file order, with one
-        preadv per run of contiguous tensors (one per expert in a repacked store)."""
+        preadv per run of contiguous tensors (one per expert in a repacked store; on Linux
+        that one is direct I/O, see `_read_block`)."""
         self.open()
+        if self._direct is not None and self.blocks[layer] is not None:
+            return self._read_block(layer, expert, dest)
         parts = sorted((int(t.files[expert]), int(t.offsets[expert]), i)
                        for i, t in enumerate(self.layers[layer]))
         runs: list[list] = []  # [file, offset, buffers, names, nbytes]
@@ -286,8 +308,39 @@ class ExpertStore:
             total += nbytes
         return total
 
-    def _read_run(self, file: int, offset: int, bufs: list[memoryview], nbytes: int, where: str):
-        fd = self._fds[file]
+    def _read_block(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
+        """A repacked expert's page-aligned block in one O_DIRECT read: the page cache is
+        bypassed (nothing to drop, no second copy of the expert, and a cold read is faster).
+        Direct I/O needs page-aligned buffers: the read lands straight in `dest` when its
+        buffers are (the runtime's slot pools are), else in this thread's block-sized buffer
+        (outside the budget), copied out."""
+        offset, stride = self.blocks[layer]
+        start = offset + expert * stride
+        tensors = sorted(self.layers[layer], key=lambda t: int(t.offsets[expert]))
+        total = sum(t.nbytes for t in tensors)
+        buf = getattr(self._bounce, "buf", None)
+        if buf is None or len(buf) < stride:
+            buf = self._bounce.buf = mmap.mmap(-1, stride)  # anonymous memory: page-aligned
+        where = f"layer {layer} expert {expert}"
+        file = len(self.files) - 1
+        views = [dest[t.name] for t in tensors]
+        if all(_page_aligned(v) and t.nbytes % mmap.PAGESIZE == 0 for v, t in zip(views, tensors)):
+            bufs = [memoryview(v).cast("B") for v in views]
+            if stride > total:
+                bufs.append(memoryview(buf)[: stride - total])  # the block's padding
+            self._read_run(file, start, bufs, stride, where, fd=self._direct)
+            return total
+        self._read_run(file, start, [memoryview(buf)[:stride]], stride, where, fd=self._direct)
+        block = np.frombuffer(buf, np.uint8, stride)
+        for t, view in zip(tensors, views):
+            at = int(t.offsets[expert]) - start
+            view.reshape(-1).view(np.uint8)[:] = block[at:at + t.nbytes]
+        return total
+
+    def _read_run(self, file: int, offset: int, bufs: list[memoryview], nbytes: int, where: str,
+                  fd: int | None = None):
+        direct = fd is not None
+        fd = fd if direct else self._fds[file]
         got = 0
         while got < nbytes:
             try:
@@ -304,5 +357,5 @@ class ExpertStore:
                 bufs = bufs[1:]
             if n:
                 bufs = [bufs[0][n:], *bufs[1:]]
-        if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+        if self.drop_page_cache and not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)

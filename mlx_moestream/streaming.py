@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -190,7 +192,7 @@ class SlotPool:
         self.arrays: dict[str, mx.array] = {}
         self.views: dict[str, np.ndarray] = {}
         for name, (shape, dtype, _) in like.specs.items():
-            array = mx.zeros((num_slots, *shape), dtype=dtype)
+            array = _page_aligned_zeros((num_slots, *shape), dtype)
             raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
             mx.eval(array, raw)
             self.arrays[name] = array
@@ -202,6 +204,18 @@ class SlotPool:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
+
+
+def _page_aligned_zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """Zeros whose data starts on a page boundary (a view into a slightly larger buffer), so
+    direct I/O can read experts straight into their slots."""
+    size, itemsize = math.prod(shape), dtype.size
+    pad = mmap.PAGESIZE // itemsize
+    buffer = mx.zeros((size + pad,), dtype)
+    mx.eval(buffer)
+    raw = buffer.view(mx.uint16) if dtype == mx.bfloat16 else buffer
+    skip = (-np.array(raw, copy=False).ctypes.data % mmap.PAGESIZE) // itemsize
+    return buffer[skip : skip + size].reshape(shape)
 
 
 class StreamingExperts(nn.Module):
@@ -250,6 +264,12 @@ class StreamingExperts(nn.Module):
         inverse[order] = np.arange(len(order))
         y = mx.concatenate(outs)[mx.array(inverse)]
         return y.reshape(*ids.shape, y.shape[-1])
+
+
+# Prefetch reads for a layer only while its measured prediction precision is at least this,
+# once this many of its predicted experts have been scored.
+PREFETCH_MIN_PRECISION = 0.25
+PREFETCH_WARMUP = 64
 
 
 class Runtime:
@@ -412,11 +432,19 @@ class Runtime:
         self.stats.syncs += 1
         predicted = np.unique(top)
         self.predicted[nxt] = predicted
-        if len(predicted) + len(self._current) > cache.capacity(nxt):
+        if len(predicted) + len(self._current) > cache.capacity(nxt) or not self._predicts(nxt):
             return
         loads = cache.prefetch(nxt, predicted, self._current)
         self.prefetched[nxt] = {e for e, _ in loads}
         self.inflight += [(nxt, e, self.io.submit(self._read, nxt, e, s)) for e, s in loads]
+
+    def _predicts(self, layer: int) -> bool:
+        """Whether `layer`'s predictions are right often enough to read ahead on them: a wrong
+        one costs a read and a slot. Predictions are scored either way, so a layer whose
+        precision rises gets its prefetch back."""
+        predicted = self.stats.predicted[layer]
+        return (predicted < PREFETCH_WARMUP
+                or self.stats.predicted_routed[layer] >= PREFETCH_MIN_PRECISION * predicted)
 
     def _settle(self, layer: int) -> None:
         """Wait for in-flight prefetches before any slot may be reused; a failed one is
@@ -518,7 +546,7 @@ class Runtime:
 
 def _pinnable(hot: list[tuple[int, int]], count: int, cache: ExpertCache, top_k: int) -> list:
     """The first `count` of `hot` that still leave each partition room for top-k unpinned."""
-    pins, pinned = [], np.zeros(len(cache.count), np.int64)
+    pins, pinned = [], np.zeros(len(cache.slot_of), np.int64)
     for layer, expert in hot[:count]:
         used = pinned[layer] if cache.per_layer else pinned.sum()
         if used + 1 <= cache.limit[layer] - top_k:

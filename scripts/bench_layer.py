@@ -3,16 +3,18 @@
 Builds a model with one real MoE layer shape (default: Qwen3-30B-A3B's, hidden 2048, 128
 experts, top-8, moe_intermediate 768, 4-bit) and times, in one run, the MoE block of stock
 mlx-lm and of mlx-moestream at a 100% budget on identical inputs (decode: 1 token; prefill: 32
-tokens). Then drops the file from the page cache and times cold reads of single experts through
-pread into the slot (what the runtime does), from a repacked expert-major copy, and through mmap.
-Prints JSON.
+tokens). Then times cold reads of single experts into a slot (the file dropped from the page
+cache first): pread of the stacked layout, the repacked expert-major copy, and mmap (see
+`cold_reads`). Prints JSON.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,20 +58,34 @@ def timed_reads(store: ExpertStore, layer: int, experts: list[int], dest: dict) 
     return (time.perf_counter() - start) * 1e3 / len(experts)
 
 
-def cold_reads(runtime, model_dir: Path, experts: list[int]) -> dict:
-    """Cold read ms per expert: pread of the stacked layout, of the repacked copy, and copying
-    out of an mmap of the stacked layout."""
+def cold_reads(runtime, model_dir: Path, experts: list[int], rounds: int = 5) -> dict:
+    """Cold read ms per expert into a slot: pread of the stacked layout (what the runtime reads
+    without a repacked copy), the repacked copy (one direct-I/O read per expert on Linux), the
+    repacked copy read through the page cache, and a copy out of an mmap of the stacked layout.
+    The store reads take turns, `rounds` times, their order alternating (the disk's speed drifts
+    on a shared machine); each figure is the median of its rounds, and the speed-up the median
+    of the per-round ratios."""
     store = runtime.store
-    pool = runtime.pools[0]
-    dest = pool.slot(0)
-    out = {"pread_ms": timed_reads(store, 0, experts, dest)}
+    dest = runtime.pools[0].slot(0)
     repack(model_dir)
-    packed = ExpertStore(model_dir)
     layer = runtime.plan.layers[0]
-    packed.add_layer(layer.path, {n: (sh, nb) for n, (sh, _, nb) in layer.specs.items()},
-                     layer.num_experts)
-    out["repacked_ms"] = timed_reads(packed, 0, experts, dest)
-    out["repacked_speedup"] = out["pread_ms"] / out["repacked_ms"]
+    specs = {n: (sh, nb) for n, (sh, _, nb) in layer.specs.items()}
+    packed, cached = ExpertStore(model_dir), ExpertStore(model_dir, drop_page_cache=False)
+    for s in (packed, cached):
+        s.add_layer(layer.path, specs, layer.num_experts)
+    stores = {"pread_ms": store, "repacked_ms": packed, "repacked_page_cache_ms": cached}
+    times = {name: [] for name in stores}
+    for r in range(rounds):
+        for name in (list(stores) if r % 2 == 0 else list(stores)[::-1]):
+            times[name].append(timed_reads(stores[name], 0, experts, dest))
+    out = {name: float(np.median(t)) for name, t in times.items()}
+    out["rounds"] = rounds
+    out["experts_per_round"] = len(experts)
+    out["repacked_speedup"] = float(np.median(np.array(times["pread_ms"])
+                                              / np.array(times["repacked_ms"])))
+    out["repacked_speedup_per_round"] = [round(a / b, 3) for a, b in
+                                         zip(times["pread_ms"], times["repacked_ms"])]
+    out["direct_io"] = packed._direct is not None
     drop_page_cache(store.files[0])
     with open(store.files[0], "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -83,6 +99,7 @@ def cold_reads(runtime, model_dir: Path, experts: list[int]) -> dict:
         mm.close()
     out["expert_bytes"] = runtime.plan.layers[0].expert_bytes
     out["pread_GBps"] = out["expert_bytes"] / out["pread_ms"] / 1e6
+    out["repacked_GBps"] = out["expert_bytes"] / out["repacked_ms"] / 1e6
     out["mmap_GBps"] = out["expert_bytes"] / out["mmap_ms"] / 1e6
     return out
 
@@ -97,9 +114,10 @@ def cold_reads(runtime, model_dir: Path, experts: list[int]) -> dict:
 @click.option("--prefill-tokens", default=32)
 def main(hidden, experts, top_k, moe_intermediate, bits, repeats, prefill_tokens):
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        path = make_tiny_moe(Path(tmp) / "model", "qwen3_moe", bits=bits or None, num_layers=2,
-                             hidden_size=hidden, num_experts=experts, top_k=top_k,
-                             moe_intermediate_size=moe_intermediate)
+        with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's quantize prints; stdout is JSON
+            path = make_tiny_moe(Path(tmp) / "model", "qwen3_moe", bits=bits or None,
+                                 num_layers=2, hidden_size=hidden, num_experts=experts,
+                                 top_k=top_k, moe_intermediate_size=moe_intermediate)
         stock, _ = mlx_lm.load(str(path))
         streamed, _ = mlx_moestream.load(path, budget="100%")
         rng = np.random.default_rng(0)
@@ -113,7 +131,8 @@ def main(hidden, experts, top_k, moe_intermediate, bits, repeats, prefill_tokens
             stock_us, stream_us = time_pair(lambda: a(x), lambda: b(x), n)
             result[name] = {"stock_us": stock_us, "streaming_us": stream_us,
                             "ratio": stream_us / stock_us, "overhead_us": stream_us - stock_us}
-        result["cold_read"] = cold_reads(streamed.moestream, path, list(range(0, experts, 4)))
+        order = rng.permutation(experts).tolist()  # random, like routing: no readahead luck
+        result["cold_read"] = cold_reads(streamed.moestream, path, order)
         print(json.dumps(result, indent=2))
 
 

@@ -1,6 +1,8 @@
 """The expert-major copy: exact outputs, one read per expert, checked at open."""
 
 import json
+import mmap
+import os
 import warnings
 
 import mlx.core as mx
@@ -23,9 +25,46 @@ def test_repacked_store_streams_exactly_and_reads_one_run_per_expert(model_copy,
     assert store.files[-1].name == "experts.bin"
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
     calls = []
-    store._read_run = lambda *args: calls.append(args)
+    store._read_run = lambda *args, **kwargs: calls.append(args)
     store.read_expert(0, 3, model.moestream.pools[0].slot(0))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("bits, buffers", [(None, 3), (4, 1)])
+def test_repacked_experts_are_read_with_direct_io_and_match_the_model_files(model_copy, bits,
+                                                                           buffers):
+    """Float32 tensors of this model fill whole pages: the read lands in the three slot
+    tensors. 4-bit ones do not: it lands in one page-aligned buffer, copied out."""
+    path = model_copy("qwen3_moe", bits=bits)
+    plain = mlx_moestream.load(path, budget="100%")[0].moestream
+    folder = repack(path)
+    if not _direct_io_works(folder / "experts.bin"):
+        pytest.skip(f"the file system of {folder} has no direct I/O")
+    packed = mlx_moestream.load(path, budget="100%")[0].moestream
+    read_run, calls = packed.store._read_run, []
+    packed.store._read_run = lambda *args, fd=None: calls.append((len(args[2]), fd)) or read_run(
+        *args, fd=fd)
+    for layer in range(len(packed.plan.layers)):
+        for expert in (0, 7):
+            want, got = plain.pools[0].slot(0), packed.pools[0].slot(1)
+            plain.store.read_expert(layer, expert, want)
+            packed.store.read_expert(layer, expert, got)
+            assert all(np.array_equal(want[n], got[n]) for n in want)
+    assert set(calls) == {(buffers, packed.store._direct)}
+
+
+def _direct_io_works(path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (AttributeError, OSError):
+        return False
+    try:
+        os.preadv(fd, [mmap.mmap(-1, mmap.PAGESIZE)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def test_repack_blocks_are_page_aligned(model_copy):

@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_moestream
+from mlx_moestream import streaming
 from mlx_moestream.loader import load_lazy
 from mlx_moestream.testing import ARCHITECTURES
 
@@ -139,6 +140,17 @@ def test_prefetch_keeps_logits_exact_and_is_scored(tiny_model, reference, arch):
     assert 0 < stats["prediction_precision"] <= 1 and 0 < stats["prediction_recall"] <= 1
     assert stats["prefetch_used"] <= stats["prefetch_loads"]
     assert stats["resident_bytes"] <= stats["budget_bytes"]
+
+
+def test_prefetch_stops_reading_for_layers_whose_predictions_miss(tiny_model, monkeypatch):
+    monkeypatch.setattr(streaming, "PREFETCH_MIN_PRECISION", 1.01)  # no layer is right enough
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
+    greedy_logits(model)  # past the warm-up of every layer
+    stats = model.moestream.stats
+    loads, scored = stats.prefetch_loads.sum(), stats.predicted.sum()
+    greedy_logits(model)
+    assert stats.predicted.sum() > scored  # still predicting and scoring,
+    assert stats.prefetch_loads.sum() == loads  # but reading nothing ahead
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
