@@ -99,6 +99,9 @@ class ExpertCache:
             self.policy_of = {l: new_policy(n) for l, n in zip(layers, layer_slots)}
             self.limit = dict(zip(layers, layer_slots))
         self.policies = list({id(p): p for p in self.policy_of.values()}.values())
+        # every expert of these layers can have a slot of its own: no slot is ever reused
+        self.holds_all = all(n >= num_experts for n in self.limit.values()) and (
+            num_slots >= len(layers) * num_experts)
 
     def capacity(self, layer: int) -> int:
         """How many distinct experts one call of `layer` can have resident at once."""

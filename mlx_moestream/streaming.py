@@ -8,8 +8,9 @@ shapes; the routed expert ids are remapped to slot ids before the original modul
 Slots are filled by reading from the files straight into the pool's memory, so no computation
 that reads a slot may still be pending when a later call overwrites it: every call evaluates its
 expert output before it returns (teacher-forced scoring, for one, never needs a token's last
-layers before the next token's loads). Prefetch reads run during that evaluation and never touch
-the slots it reads.
+layers before the next token's loads), unless the budget gives every expert a slot of its own,
+when no slot is ever overwritten and the graph stays lazy as in stock mlx-lm. Prefetch reads run
+during that evaluation and never touch the slots it reads.
 """
 
 from __future__ import annotations
@@ -237,8 +238,9 @@ class StreamingExperts(nn.Module):
         y = self.inner(x, mx.array(slots))
         if runtime.prefetch:
             runtime.prefetch_next(self.layer, x)
-        mx.eval(y)  # see the module docstring: no pending reads of a slot
-        runtime.stats.syncs += 1
+        if runtime.reuses_slots:
+            mx.eval(y)  # see the module docstring: no pending reads of a slot
+            runtime.stats.syncs += 1
         return y
 
     def _rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
@@ -328,6 +330,7 @@ class Runtime:
                                            layer_slots))
             for i in group:
                 self.pool_of[i] = len(self.pools) - 1
+        self.reuses_slots = not all(cache.holds_all for cache in self.caches)
 
     def attach(self, model: nn.Module) -> None:
         """Swap every expert module of `model` for its streaming version (drops lazy experts)."""

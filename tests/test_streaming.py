@@ -142,6 +142,16 @@ def test_prefetch_keeps_logits_exact_and_is_scored(tiny_model, reference, arch):
     assert stats["resident_bytes"] <= stats["budget_bytes"]
 
 
+@pytest.mark.parametrize("budget, syncs_per_layer", [("100%", 1), ("50%", 2)])
+def test_expert_output_is_evaluated_per_layer_only_when_slots_get_reused(tiny_model, budget,
+                                                                          syncs_per_layer):
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget=budget)
+    greedy_logits(model)
+    stats = model.moestream.stats
+    assert stats.syncs == syncs_per_layer * 33 * len(model.moestream.plan.layers)
+
+
 def test_prefetch_stops_reading_for_layers_whose_predictions_miss(tiny_model, monkeypatch):
     monkeypatch.setattr(streaming, "PREFETCH_MIN_PRECISION", 1.01)  # no layer is right enough
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
