@@ -268,9 +268,10 @@ class StreamingExperts(nn.Module):
         return y.reshape(*ids.shape, y.shape[-1])
 
 
-# Prefetch reads for a layer only while its measured prediction precision is at least this,
-# once this many of its predicted experts have been scored.
-PREFETCH_MIN_PRECISION = 0.25
+# Prefetch reads ahead for a layer only while at least this share of its predicted misses (the
+# predicted experts that were not resident: what a prefetch reads) turn out routed, once this
+# many have been scored; the tally halves past 16x that, so it follows a changing workload.
+PREFETCH_MIN_USEFUL = 0.25
 PREFETCH_WARMUP = 64
 
 
@@ -300,6 +301,9 @@ class Runtime:
         self.routers: list = [None] * plan.num_layers  # each layer's router, set by attach()
         self.inflight: list[tuple[int, int, Future]] = []  # (layer, expert, read) of prefetches
         self.predicted: dict[int, np.ndarray] = {}  # layer -> experts predicted for its next call
+        self.predicted_misses: dict[int, set[int]] = {}  # of those, the ones not resident
+        self.misses_predicted = np.zeros(plan.num_layers)  # tally of predicted misses per layer,
+        self.misses_routed = np.zeros(plan.num_layers)  # and of those then routed
         self.prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next call
         self._current: set[int] = set()  # keys the pending computation of the last call reads
         self.prewarm_info: dict | None = None
@@ -435,19 +439,20 @@ class Runtime:
         self.stats.syncs += 1
         predicted = np.unique(top)
         self.predicted[nxt] = predicted
-        if len(predicted) + len(self._current) > cache.capacity(nxt) or not self._predicts(nxt):
+        self.predicted_misses[nxt] = set(predicted[cache.slot_of[nxt][predicted] < 0].tolist())
+        if len(predicted) + len(self._current) > cache.capacity(nxt) or not self._pays(nxt):
             return
         loads = cache.prefetch(nxt, predicted, self._current)
         self.prefetched[nxt] = {e for e, _ in loads}
         self.inflight += [(nxt, e, self.io.submit(self._read, nxt, e, s)) for e, s in loads]
 
-    def _predicts(self, layer: int) -> bool:
-        """Whether `layer`'s predictions are right often enough to read ahead on them: a wrong
-        one costs a read and a slot. Predictions are scored either way, so a layer whose
-        precision rises gets its prefetch back."""
-        predicted = self.stats.predicted[layer]
+    def _pays(self, layer: int) -> bool:
+        """Whether reading `layer`'s predicted misses ahead is right often enough: a wrong read
+        costs bandwidth and a slot. The tally counts predicted misses whether or not they were
+        read, so a layer whose predictions improve gets its prefetch back."""
+        predicted = self.misses_predicted[layer]
         return (predicted < PREFETCH_WARMUP
-                or self.stats.predicted_routed[layer] >= PREFETCH_MIN_PRECISION * predicted)
+                or self.misses_routed[layer] >= PREFETCH_MIN_USEFUL * predicted)
 
     def _settle(self, layer: int) -> None:
         """Wait for in-flight prefetches before any slot may be reused; a failed one is
@@ -467,6 +472,12 @@ class Runtime:
     def _score_prediction(self, layer: int, experts: np.ndarray) -> None:
         predicted = self.predicted.pop(layer)
         routed = set(experts.tolist())
+        misses = self.predicted_misses.pop(layer)
+        self.misses_predicted[layer] += len(misses)
+        self.misses_routed[layer] += len(misses & routed)
+        if self.misses_predicted[layer] > 16 * PREFETCH_WARMUP:
+            self.misses_predicted[layer] /= 2
+            self.misses_routed[layer] /= 2
         stats = self.stats
         stats.predicted[layer] += len(predicted)
         stats.routed_scored[layer] += len(routed)

@@ -52,6 +52,7 @@ from mlx_lm.generate import generate_step
 
 import mlx_moestream
 import mlx_moestream.store
+from mlx_moestream.files import atomic_write_text
 from mlx_moestream.loader import load_lazy
 from mlx_moestream.streaming import SlotPool
 from mlx_moestream.testing import make_tiny_moe
@@ -584,10 +585,10 @@ def markdown(doc: dict) -> str:
         "on 4 threads at once, so the aggregate rate can be higher). I/O-bound prediction: "
         "1 / (1 / tok/s at 100% with the same prefetch setting + bytes read per token / disk "
         f"bandwidth), with the disk bandwidth measured cold in this run: "
-        f"{disk['disk_GBps']:.2f} GB/s (below). syncs/token: as `stats()` counts them (one "
-        "read of the routed ids per layer, one per prediction); the `mx.eval` of each layer's "
-        "expert output in `StreamingExperts.__call__` is one more host sync per layer that it "
-        "does not count. Memory: MLX peak and active memory above what "
+        f"{disk['disk_GBps']:.2f} GB/s (below). syncs/token: as `stats()` counts them: one "
+        "read of the routed ids per layer, one per prediction, and the `mx.eval` of each "
+        "layer's expert output, which is skipped when every expert has a slot of its own "
+        "(100%). Memory: MLX peak and active memory above what "
         "was allocated before the config's load (the slot pool or all experts, the dense "
         "weights, the KV cache, temporaries).",
         "",
@@ -675,23 +676,6 @@ def reading(doc: dict) -> list[str]:
     out.append("Targets met: " + ("; ".join(met) if met else "none") + ".")
     out.append("Targets not met: " + ("; ".join(missed) if missed else "none") + ".")
     return out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def machine_description() -> str:
@@ -850,9 +834,10 @@ def main(model_dir, layers, hidden, experts, top_k, moe_intermediate, bits, rout
     text = json.dumps(doc, indent=2)
     click.echo(text)
     if out:
-        write_atomic(out, text + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, text + "\n")
     if markdown_path:
-        write_atomic(markdown_path, markdown(doc))
+        atomic_write_text(markdown_path, markdown(doc))
 
 
 if __name__ == "__main__":
