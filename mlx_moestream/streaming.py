@@ -273,6 +273,7 @@ class StreamingExperts(nn.Module):
 # many have been scored; the tally halves past 16x that, so it follows a changing workload.
 PREFETCH_MIN_USEFUL = 0.25
 PREFETCH_WARMUP = 64
+PREFETCH_PROBE = 8  # while it does not pay, a layer is predicted on one token in this many
 
 
 class Runtime:
@@ -433,6 +434,8 @@ class Runtime:
         cache = self.caches[self.pool_of[nxt]]
         if (cache.slot_of[nxt] >= 0).all():  # nothing to read: skip the prediction's sync
             return
+        if not self._pays(nxt) and self.stats.tokens % PREFETCH_PROBE:
+            return  # reading ahead does not pay here: predict now and then, to see if it does
         k = self.plan.top_k
         logits = self.routers[nxt](x)
         top = np.array(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])  # host sync

@@ -160,8 +160,21 @@ def test_prefetch_stops_reading_for_layers_whose_predictions_miss(tiny_model, mo
     stats = model.moestream.stats
     loads, scored = stats.prefetch_loads.sum(), stats.predicted.sum()
     greedy_logits(model)
-    assert stats.predicted.sum() > scored  # still predicting and scoring,
+    assert stats.predicted.sum() > scored  # still predicting and scoring, now and then,
     assert stats.prefetch_loads.sum() == loads  # but reading nothing ahead
+
+
+def test_a_layer_whose_prefetch_does_not_pay_is_predicted_on_one_token_in_eight(tiny_model,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(streaming, "PREFETCH_MIN_USEFUL", 1.01)
+    monkeypatch.setattr(streaming, "PREFETCH_WARMUP", 16)
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
+    greedy_logits(model)
+    runtime = model.moestream
+    layers, syncs = len(runtime.plan.layers), runtime.stats.syncs
+    greedy_logits(model)  # 33 calls per layer, each reading its ids and evaluating its output
+    predictions = runtime.stats.syncs - syncs - 2 * 33 * layers
+    assert 0 < predictions <= (layers - 1) * (33 // streaming.PREFETCH_PROBE + 1)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
