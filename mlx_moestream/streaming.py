@@ -285,7 +285,8 @@ class Runtime:
                  io_threads: int = 4):
         """`per_layer` gives each layer its own share of a pool (`layer_weights`, e.g. from a
         profile, or uniform) instead of one budget shared by all layers. `prefetch` predicts
-        each next layer's experts with its router and reads the misses in the background."""
+        each next layer's experts with its router and reads the misses in the background (not
+        when the budget holds every expert)."""
         if budget_bytes < plan.min_budget_bytes:
             raise BudgetError(
                 f"budget {format_bytes(budget_bytes)} is below the minimum "
@@ -298,7 +299,6 @@ class Runtime:
         self.policy = policy
         self.recorder = None  # a trace.TraceRecorder while recording routing
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
-        self.prefetch = prefetch
         self.routers: list = [None] * plan.num_layers  # each layer's router, set by attach()
         self.inflight: list[tuple[int, int, Future]] = []  # (layer, expert, read) of prefetches
         self.predicted: dict[int, np.ndarray] = {}  # layer -> experts predicted for its next call
@@ -336,6 +336,9 @@ class Runtime:
             for i in group:
                 self.pool_of[i] = len(self.pools) - 1
         self.reuses_slots = not all(cache.holds_all for cache in self.caches)
+        # With a slot for every expert, each expert misses once per session: a prediction's host
+        # sync on every token would cost more than reading ahead saves.
+        self.prefetch = prefetch and self.reuses_slots
 
     def attach(self, model: nn.Module) -> None:
         """Swap every expert module of `model` for its streaming version (drops lazy experts)."""

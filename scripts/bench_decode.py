@@ -404,11 +404,9 @@ def run_benchmark(path, budgets, prompt, decode_tokens, skip, repeats, cold_pass
                 passes.append(decode_pass(model, prompt, decode_tokens, skip, feed))
                 memory, info = memory_since(mark), runtime_info(model)
                 log(f"{name}: cold pass {r + 1} {passes[-1]['tok_s']:.2f} tok/s")
-                if r < cold_passes - 1:
-                    free(model)
+                free(model)
+                del model, feed  # before the next pass's memory mark
             results.append(config_result(name, budget, prefetch, passes, memory, info))
-            free(model)
-            del model
     return results
 
 

@@ -152,6 +152,14 @@ def test_expert_output_is_evaluated_per_layer_only_when_slots_get_reused(tiny_mo
     assert stats.syncs == syncs_per_layer * 33 * len(model.moestream.plan.layers)
 
 
+def test_prefetch_predicts_nothing_when_every_expert_has_a_slot(tiny_model):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%", prefetch=True)
+    greedy_logits(model)
+    stats = model.moestream.stats
+    assert stats.predicted.sum() == 0
+    assert stats.syncs == 33 * len(model.moestream.plan.layers)  # the routing reads alone
+
+
 def test_prefetch_stops_reading_for_layers_whose_predictions_miss(tiny_model, monkeypatch):
     monkeypatch.setattr(streaming, "PREFETCH_MIN_USEFUL", 1.01)  # no layer is right enough
     monkeypatch.setattr(streaming, "PREFETCH_WARMUP", 16)
