@@ -49,7 +49,8 @@ def main() -> None:
 @click.option("--budget", "-b", type=BudgetType(), default="auto", show_default=True,
               help="Memory for resident experts: bytes, 8GB, 512MiB, 35% of experts, auto.")
 @click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
-              help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}.")
+              help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}; options as "
+                   "NAME:OPTION=VALUE,... (wlfu:half_life=128).")
 @click.option("--prompt", help="Answer this one prompt and exit (non-interactive).")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
@@ -216,7 +217,8 @@ def _load_profile(name: str):
 
 @main.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
-@click.option("--policy", "-p", default="wlfu", show_default=True)
+@click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
+              help="A policy, with options as NAME:OPTION=VALUE,... (wlfu:half_life=128).")
 @click.option("--capacity", "-c", default="0.25", show_default=True,
               help="(layer, expert) slots, or a fraction of all of them (0.25).")
 @click.option("--per-layer", is_flag=True, help="Split the slots evenly per layer.")

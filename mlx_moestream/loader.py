@@ -13,7 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from .budget import available_memory_bytes, resolve_budget
-from .policies import DEFAULT_POLICY
+from .policies import DEFAULT_POLICY, make_policy
 from .profiles import Profile
 from .profiles import find as find_profile
 from .profiles import save_target as profile_target
@@ -105,11 +105,11 @@ def load(
     working set when one is given, else evenly) instead of sharing it across layers.
     `prefetch` predicts each next layer's experts with its router and reads them while the
     current layer computes (outputs never change: routing is always the real router's).
-    `drop_page_cache` keeps the OS from caching expert reads on top of the budget.
+    `drop_page_cache` keeps the OS from caching expert reads on top of the budget. `policy` is a
+    name from `policies.POLICIES`, with options as `NAME:OPTION=VALUE,...` (`wlfu:half_life=128`).
     `progress(items, label)`, a context manager, may wrap the pre-warm reads (a progress bar).
     """
-    if policy == "belady":
-        raise ValueError("policy 'belady' needs the future routing: it is for replay only")
+    make_policy(policy, capacity=1, num_keys=1)  # a bad name, option or value fails before any read
     path = resolve_model_path(model, revision)
     lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
     budget_bytes = resolve_budget(

@@ -8,6 +8,7 @@ Plain Python and numpy (no mlx): the live runtime, trace replay and any other ba
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 
 import numpy as np
@@ -145,6 +146,8 @@ class WindowLFU(Policy):
             raise ValueError(f"half_life must be at least 1 token, got {half_life}")
         if recent_tokens < 1:
             raise ValueError(f"recent_tokens must be at least 1, got {recent_tokens}")
+        if not 0.0 <= guard_share <= 1.0:
+            raise ValueError(f"guard_share must be in [0, 1], got {guard_share}")
         self.half_life = half_life
         self.guard_limit = capacity * guard_share
         self.count = np.zeros(num_keys)  # decayed uses, times `weight`
@@ -343,7 +346,7 @@ class Belady(Policy):
     def __init__(self, capacity: int, num_keys: int, future: Future | np.ndarray | None = None):
         super().__init__(capacity, num_keys)
         if future is None:
-            raise ValueError("belady is offline: it needs the future access sequence (use replay)")
+            raise ValueError("belady is offline, for replay only: it needs the future routing")
         self.future = future if isinstance(future, Future) else Future(future, num_keys)
         self.at = np.full(num_keys, -1, np.int64)  # position in the future of the latest use
         self.next_use = np.full(num_keys, float(len(self.future.keys)))
@@ -384,15 +387,35 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, capacity: int, num_keys: int, **options) -> Policy:
-    """The policy called `name` (see `POLICIES`); `options` go to its constructor."""
-    try:
-        cls = POLICIES[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}"
-        ) from None
-    return cls(capacity, num_keys, **options)
+def make_policy(spec: str, capacity: int, num_keys: int, **options) -> Policy:
+    """The policy a spec names (see `parse_policy`); `options` add to the spec's own."""
+    name, spec_options = parse_policy(spec)
+    return POLICIES[name](capacity, num_keys, **spec_options, **options)
+
+
+def parse_policy(spec: str) -> tuple[str, dict]:
+    """`NAME` or `NAME:OPTION=VALUE,...` (`wlfu:half_life=128`, `slru:protected_share=0.5`):
+    the policy's name and its constructor options, typed like their defaults."""
+    name, _, rest = str(spec).partition(":")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}")
+    params = {
+        p.name: p.default for p in inspect.signature(POLICIES[name]).parameters.values()
+        if p.default is not inspect.Parameter.empty and p.default is not None
+    }
+    options = {}
+    for item in filter(None, (i.strip() for i in rest.split(","))):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key not in params:
+            known = ", ".join(sorted(params)) or "none"
+            raise ValueError(f"policy {name!r} has no option {key!r} (its options: {known})")
+        kind = type(params[key])
+        try:
+            options[key] = kind(value)
+        except ValueError:
+            wanted = "an integer" if kind is int else "a number"
+            raise ValueError(f"policy option {name}:{key} takes {wanted}, got {value!r}") from None
+    return name, options
 
 
 def _pop_oldest(order: OrderedDict, protected: set[int]) -> int:

@@ -340,6 +340,28 @@ def test_unknown_policy_name_lists_the_known_ones():
         _cache(4, policy="fifo")
 
 
+def test_policy_spec_options_reach_the_constructor():
+    wlfu = make_policy("wlfu:half_life=128, recent_tokens=1", 4, 8)
+    assert (wlfu.half_life, len(wlfu.starts)) == (128, 1)
+    assert make_policy("slru:protected_share=0.5", 10, 8).protected_slots == 5
+
+
+def test_unknown_policy_option_names_the_options_of_that_policy():
+    with pytest.raises(ValueError, match="'wlfu' has no option 'window'.*guard_share, half_life"):
+        make_policy("wlfu:window=256", 4, 8)
+    with pytest.raises(ValueError, match="'lru' has no option 'x' \\(its options: none\\)"):
+        make_policy("lru:x=1", 4, 8)
+
+
+@pytest.mark.parametrize("spec, match", [("wlfu:half_life=1.5", "half_life takes an integer"),
+                                         ("slru:protected_share=lots", "takes a number"),
+                                         ("wlfu:half_life=0", "at least 1 token"),
+                                         ("slru:protected_share=2", "in \\[0, 1\\]")])
+def test_bad_policy_option_value_is_a_clear_error(spec, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy(spec, 4, 8)
+
+
 def test_expert_cache_default_policy_is_wlfu():
     stats = Stats(["l0"], 4)
     assert DEFAULT_POLICY == "wlfu"

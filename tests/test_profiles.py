@@ -171,6 +171,19 @@ def test_chat_trace_then_replay_reports_policy_lru_and_belady(tiny_model, tmp_pa
     assert result["belady_hit_rate"] >= max(result["hit_rate"], result["lru_hit_rate"])
 
 
+def test_replay_takes_policy_options_and_refuses_bad_ones(tiny_model, tmp_path):
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 8,
+               "--trace", tmp_path / "t.npz", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    out = _cli("replay", tmp_path / "t.npz", "--policy", "slru:protected_share=0.5", "--json",
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["policy"] == "slru:protected_share=0.5"
+    out = _cli("replay", tmp_path / "t.npz", "--policy", "slru:protected=0.5", cwd=tmp_path)
+    assert out.returncode != 0
+    assert "'slru' has no option 'protected'" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_replay_of_a_malformed_trace_is_a_clear_error(tmp_path):
     np.savez(tmp_path / "bad.npz", experts=np.zeros((4, 2), np.int16))
     out = _cli("replay", tmp_path / "bad.npz", cwd=tmp_path)

@@ -125,6 +125,18 @@ def test_every_policy_keeps_logits_exact(tiny_model, reference, policy, per_laye
     assert mlx_moestream.stats(model)["policy"] == policy
 
 
+def test_policy_options_reach_the_live_policy(tiny_model):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%",
+                                  policy="wlfu:half_life=16")
+    assert model.moestream.caches[0].policies[0].half_life == 16
+    assert mlx_moestream.stats(model)["policy"] == "wlfu:half_life=16"
+
+
+def test_bad_policy_option_fails_before_the_model_is_read(tmp_path):
+    with pytest.raises(ValueError, match="no option 'halflife'"):
+        mlx_moestream.load(tmp_path / "no-such-model", policy="wlfu:halflife=16")
+
+
 def test_belady_is_refused_live(tiny_model):
     with pytest.raises(ValueError, match="belady.*replay only"):
         mlx_moestream.load(tiny_model("qwen3_moe"), policy="belady")
