@@ -155,7 +155,9 @@ def format_stats(s: dict, response=None) -> str:
     if s["prewarm"]:
         w = s["prewarm"]
         lines.append(f"pre-warmed {w['experts']} experts from profile '{w['profile']}' "
-                     f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms), {w['pinned']} pinned")
+                     f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms), {w['pinned']} pinned; "
+                     f"hit rate since {_percent(w['hit_rate_after'])}, "
+                     f"before {_percent(w['hit_rate_before'])}")
     if s["prefetch_loads"]:
         lines.append(f"prefetch: {s['prefetch_loads']} reads, {s['prefetch_used']} used; "
                      f"prediction precision {s['prediction_precision']:.0%}, recall "
@@ -172,6 +174,10 @@ def format_stats(s: dict, response=None) -> str:
             f"{layer['pinned']:>6}"
         )
     return "\n".join(lines)
+
+
+def _percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.1%}"
 
 
 @main.command()

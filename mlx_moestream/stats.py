@@ -78,8 +78,8 @@ class Stats:
             "stall_ms": float(self.stall_seconds[i] * 1e3),
             "prefetch_loads": int(self.prefetch_loads[i]),
             "prefetch_used": int(self.prefetch_used[i]),
-            "prediction_precision": _ratio(self.predicted_routed[i], self.predicted[i]),
-            "prediction_recall": _ratio(self.predicted_routed[i], self.routed_scored[i]),
+            "prediction_precision": ratio(self.predicted_routed[i], self.predicted[i]),
+            "prediction_recall": ratio(self.predicted_routed[i], self.routed_scored[i]),
         }
 
     def as_dict(self) -> dict:
@@ -99,8 +99,8 @@ class Stats:
             "syncs_per_token": self.syncs / self.tokens if self.tokens else 0.0,
             "prefetch_loads": int(self.prefetch_loads.sum()),
             "prefetch_used": int(self.prefetch_used.sum()),
-            "prediction_precision": _ratio(self.predicted_routed.sum(), self.predicted.sum()),
-            "prediction_recall": _ratio(self.predicted_routed.sum(), self.routed_scored.sum()),
+            "prediction_precision": ratio(self.predicted_routed.sum(), self.predicted.sum()),
+            "prediction_recall": ratio(self.predicted_routed.sum(), self.routed_scored.sum()),
             "read_errors": self.read_errors,
             "hit_rate_windows": list(self.windows),
             "layers": [self.layer(i) for i in range(len(self.layer_names))],
@@ -112,7 +112,7 @@ def _rate(hits, misses) -> float:
     return float(hits / total) if total else 0.0
 
 
-def _ratio(part, whole) -> float | None:
+def ratio(part, whole) -> float | None:
     return float(part / whole) if whole else None
 
 

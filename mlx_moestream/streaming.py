@@ -35,7 +35,7 @@ from .budget import BudgetError, format_bytes
 from .cache import ExpertCache, split_slots
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
-from .stats import Stats
+from .stats import Stats, ratio
 from .store import ExpertStore, StoreError
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
@@ -538,7 +538,9 @@ class Runtime:
         self.prewarm_info = {"profile": profile.workload, "experts": loaded, "pinned": len(pins),
                              "bytes": nbytes,
                              "read_ms": (time.perf_counter() - start) * 1e3,
-                             "at_token": self.stats.tokens}
+                             "at_token": self.stats.tokens,
+                             "hits_before": int(self.stats.hits.sum()),
+                             "misses_before": int(self.stats.misses.sum())}
         return self.prewarm_info
 
     def profile(self, workload: str) -> Profile:
@@ -546,6 +548,13 @@ class Runtime:
         s = self.stats
         return Profile(workload, self.plan.identity, s.activations.copy(), s.decayed.copy(),
                        s.tokens, s.half_life_tokens, list(s.layer_names))
+
+    def _prewarm_effect(self, hits: int, misses: int) -> dict:
+        """The pre-warm's record with the hit rate of the accesses before it and since."""
+        info = self.prewarm_info
+        h0, m0 = info["hits_before"], info["misses_before"]
+        return {**info, "hit_rate_before": ratio(h0, h0 + m0),
+                "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
 
     def stats_dict(self) -> dict:
         out = self.stats.as_dict()
@@ -555,7 +564,7 @@ class Runtime:
             slot_bytes=self.slot_bytes,
             slots=sum(p.num_slots for p in self.pools),
             policy=self.policy,
-            prewarm=self.prewarm_info,
+            prewarm=self.prewarm_info and self._prewarm_effect(out["hits"], out["misses"]),
         )
         pinned = sum(c.pinned_count for c in self.caches)
         for layer, warm, pins in zip(out["layers"], self.warm.tolist(), pinned.tolist()):

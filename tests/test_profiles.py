@@ -69,6 +69,30 @@ def test_prewarm_raises_hit_rate_and_keeps_outputs_identical(tiny_model, tmp_pat
     assert mlx_moestream.stats(warm)["hit_rate"] > mlx_moestream.stats(first)["hit_rate"]
 
 
+def test_prewarm_mid_session_splits_the_hit_rate_at_that_point(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, _ = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    model, tokenizer = mlx_moestream.load(path, budget="50%")
+    mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=8)
+    before = mlx_moestream.stats(model)
+    mlx_moestream.prewarm(model, profile_path)
+    mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=8)
+    after = mlx_moestream.stats(model)
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    assert after["prewarm"]["hit_rate_before"] == before["hit_rate"]
+    assert after["prewarm"]["hit_rate_after"] == hits / (hits + misses)
+
+
+def test_prewarm_at_load_has_no_hit_rate_before(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, _ = _session(path, budget="50%")
+    warm, _ = _session(path, budget="50%", profile=mlx_moestream.save_profile(first, tmp_path / "p"))
+    stats = mlx_moestream.stats(warm)
+    assert stats["prewarm"]["hit_rate_before"] is None
+    assert stats["prewarm"]["hit_rate_after"] == stats["hit_rate"]
+
+
 def test_prewarm_share_limits_the_warm_set(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
     first, _ = _session(path, budget="50%")
