@@ -111,27 +111,31 @@ class ExpertCache:
     def request(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]]:
         """Make `experts` (distinct, at most `capacity(layer)`) resident.
 
-        Returns the (expert, slot) pairs the caller must load before computing.
+        Returns the (expert, slot) pairs the caller must load before computing. A call names a
+        handful of experts, so past the one gather of their slots the work is on plain lists:
+        each numpy call on a tiny array costs more than the Python loop it replaces.
         """
-        slots = self.slot_of[layer][experts]
         stats = self.stats
         policy = self.policy_of[layer]
         keys = self.key_of[layer][experts]
         if self.any_pinned:  # pinned keys are outside the policy
             unpinned = ~self.pinned[keys]
-            keys, slots, experts = keys[unpinned], slots[unpinned], experts[unpinned]
+            keys, experts = keys[unpinned], experts[unpinned]
             stats.hits[layer] += int((~unpinned).sum())
-        if min(slots.tolist(), default=0) >= 0:  # all resident: the hot path
-            stats.hits[layer] += len(experts)
+        slots = self.slot_of[layer][experts].tolist()
+        if min(slots, default=0) >= 0:  # all resident: the hot path
+            stats.hits[layer] += len(slots)
             policy.access(keys)
             return []
-        missing = slots < 0
-        n_miss = int(np.count_nonzero(missing))
-        stats.hits[layer] += len(experts) - n_miss
-        if n_miss < len(experts):
-            policy.access(keys[~missing])
-        stats.misses[layer] += n_miss
-        return self._load(layer, policy, experts[missing], keys[missing], set(keys.tolist()))
+        key_list = keys.tolist()
+        hits = [k for k, s in zip(key_list, slots) if s >= 0]
+        missing = [i for i, s in enumerate(slots) if s < 0]
+        stats.hits[layer] += len(hits)
+        stats.misses[layer] += len(missing)
+        if hits:
+            policy.access(np.array(hits))
+        return self._load(layer, policy, [int(experts[i]) for i in missing],
+                          [key_list[i] for i in missing], set(key_list))
 
     def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]) -> list[tuple[int, int]]:
         """Make predicted `experts` resident ahead of need, through the policy like any load.
@@ -140,12 +144,12 @@ class ExpertCache:
         `protected` (those a pending computation still reads). The policy ranks the new keys as
         unused until a call routes to them. Returns the loads to issue.
         """
-        experts = experts[self.slot_of[layer][experts] < 0]
-        keys = self.key_of[layer][experts]
+        experts = experts[self.slot_of[layer][experts] < 0].tolist()
+        keys = [layer * self.num_experts + e for e in experts]
         return self._load(layer, self.policy_of[layer], experts, keys,
-                          protected | set(keys.tolist()), used=False)
+                          protected | set(keys), used=False)
 
-    def _load(self, layer: int, policy: Policy, experts: np.ndarray, keys: np.ndarray,
+    def _load(self, layer: int, policy: Policy, experts: list[int], keys: list[int],
               protected: set[int], used: bool = True) -> list[tuple[int, int]]:
         """Give non-resident `experts` slots: free ones first, then the policy's victims (one
         batch for the whole call). Returns the (expert, slot) pairs to load."""
@@ -156,14 +160,17 @@ class ExpertCache:
         if self.per_layer:
             free = max(0, min(free, self.limit[layer] - self.resident_in(layer)))
         slots = [self.free.pop() for _ in range(free)]
-        if free < n:  # a few victims: scalar updates beat array ones here
-            slot_by_key, evictions = self.slot_by_key, self.stats.evictions
+        slot_by_key = self.slot_by_key
+        if free < n:
+            evictions = self.stats.evictions
             for victim in policy.victims(n - free, protected):
                 slots.append(int(slot_by_key[victim]))
                 slot_by_key[victim] = -1
                 evictions[victim // self.num_experts] += 1
-        self._place(layer, experts, keys, slots, used)
-        return list(zip(experts.tolist(), slots))
+        for key, slot in zip(keys, slots):
+            slot_by_key[key] = slot
+        policy.insert(np.array(keys), used)
+        return list(zip(experts, slots))
 
     def discard(self, layer: int, expert: int) -> None:
         """Forget a resident expert whose load failed, so its slot is never read as valid."""
@@ -182,13 +189,9 @@ class ExpertCache:
                 or self.resident_in(layer) >= self.limit[layer]):
             return None
         slot = self.free.pop()
-        self._place(layer, np.array([expert]), self.key_of[layer, [expert]], [slot])
+        self.slot_of[layer, expert] = slot
+        self.policy_of[layer].insert(self.key_of[layer, [expert]])
         return slot
-
-    def _place(self, layer: int, experts: np.ndarray, keys: np.ndarray, slots: list[int],
-               used: bool = True) -> None:
-        self.slot_of[layer][experts] = slots
-        self.policy_of[layer].insert(keys, used)
 
     def pin(self, layer: int, expert: int) -> None:
         """Keep a resident expert for good: it leaves its policy, so it is never a victim."""
