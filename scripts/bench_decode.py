@@ -274,6 +274,7 @@ def read_benchmark(path: Path, count: int, top_k: int, seed: int) -> dict:
     packed_dir = path.with_name(path.name + "-repacked")
     with contextlib.redirect_stdout(sys.stderr):
         repack(path, packed_dir)
+    os.sync()  # the copy's writeback would compete with the cold reads timed below
 
     def open_store(drop_page_cache: bool, repacked: Path | None = None):
         s = mlx_moestream.store.ExpertStore(path, drop_page_cache, repacked)
