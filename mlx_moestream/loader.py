@@ -163,12 +163,15 @@ def run_text(model: nn.Module, tokenizer: TokenizerWrapper, text: str,
 def start_trace(model: nn.Module) -> None:
     """Record the routing of every following forward call (see `save_trace`)."""
     runtime = runtime_of(model)
+    runtime.settle_deferred()
     runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
 
 
 def save_trace(model: nn.Module, path: str | Path) -> Trace:
     """Write the routing recorded since `start_trace` as a .npz trace (atomically)."""
-    recorder = runtime_of(model).recorder
+    runtime = runtime_of(model)
+    runtime.settle_deferred()
+    recorder = runtime.recorder
     if recorder is None:
         raise ValueError("no trace is being recorded: call start_trace(model) first")
     trace = recorder.to_trace()

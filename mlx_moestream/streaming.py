@@ -231,7 +231,12 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         runtime = self.runtime
+        if runtime.slot_maps:  # every expert resident for good: no host sync, as in stock mlx-lm
+            runtime.defer(self.layer, indices)
+            slot_map = runtime.slot_maps[self.layer]
+            return self.inner(x, slot_map[mx.minimum(indices.astype(mx.uint32), slot_map.size - 1)])
         ids = np.array(indices)  # host sync: the routing decides what must be read
+        runtime.stats.syncs += 1
         slots = runtime.route(self.layer, ids)
         if slots is None:
             return self._rounds(x, ids)
@@ -336,6 +341,7 @@ class Runtime:
             for i in group:
                 self.pool_of[i] = len(self.pools) - 1
         self.reuses_slots = not all(cache.holds_all for cache in self.caches)
+        self.slot_maps: list[mx.array] = []  # per layer, once every expert is resident for good
         # With a slot for every expert, each expert misses once per session: a prediction's host
         # sync on every token would cost more than reading ahead saves.
         self.prefetch = prefetch and self.reuses_slots
@@ -367,9 +373,7 @@ class Runtime:
         return np.where(valid, ids, -1), routed, np.where(valid, ids, fill)
 
     def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
-        """Slots for routed `ids`, loading misses; None when the call needs more than fit.
-        Called after the host sync on the routing, which it counts."""
-        self.stats.syncs += 1
+        """Slots for routed `ids`, loading misses; None when the call needs more than fit."""
         if self.inflight:
             self._settle(layer)
         if layer == 0:
@@ -389,7 +393,35 @@ class Runtime:
         slots = self.request(layer, experts, ids)
         if self.prefetch:
             self._current = set((layer * self.plan.num_experts + experts).tolist())
+        if not self.reuses_slots and layer == self.plan.num_layers - 1 and all(
+                c.resident == len(g) * self.plan.num_experts
+                for c, g in zip(self.caches, self.plan.pools())):
+            self._fix_slots()
         return slots
+
+    def _fix_slots(self) -> None:
+        """Every expert holds a slot it keeps for good: map ids to slots on the device from now
+        on, and count each call's routing two tokens later, when it has been computed anyway.
+        Ids outside [0, experts) (masked) map to expert 0's slot."""
+        self.slot_maps = []
+        for layer in range(self.plan.num_layers):
+            row = self.caches[self.pool_of[layer]].slot_of[layer]
+            self.slot_maps.append(mx.array(np.append(row, row[0])))
+        self.deferred: list[tuple[int, mx.array]] = []
+
+    def defer(self, layer: int, indices: mx.array) -> None:
+        self.deferred.append((layer, indices))
+        if len(self.deferred) > 3 * self.plan.num_layers:
+            self.settle_deferred(keep=2 * self.plan.num_layers)
+
+    def settle_deferred(self, keep: int = 0) -> None:
+        """Count the routing of deferred calls (all but the last `keep`), in call order."""
+        if not self.slot_maps:
+            return
+        cut = len(self.deferred) - keep
+        done, self.deferred = self.deferred[:cut], self.deferred[cut:]
+        for layer, indices in done:
+            self.route(layer, np.array(indices))
 
     def request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`)."""
@@ -507,6 +539,7 @@ class Runtime:
         good (leaving every layer room for one token's top-k). `progress(items, label)` is a
         context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
+        self.settle_deferred()
         picks, pins = [], []
         for cache, group in zip(self.caches, self.plan.pools()):
             limits = [cache.capacity(l) if l in group else 0 for l in range(self.plan.num_layers)]
@@ -545,6 +578,7 @@ class Runtime:
 
     def profile(self, workload: str) -> Profile:
         """This session's routing so far, to pre-warm later sessions of the same workload."""
+        self.settle_deferred()
         s = self.stats
         return Profile(workload, self.plan.identity, s.activations.copy(), s.decayed.copy(),
                        s.tokens, s.half_life_tokens, list(s.layer_names))
@@ -557,6 +591,7 @@ class Runtime:
                 "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
 
     def stats_dict(self) -> dict:
+        self.settle_deferred()
         out = self.stats.as_dict()
         out.update(
             budget_bytes=self.budget_bytes,
