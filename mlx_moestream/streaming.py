@@ -234,7 +234,8 @@ class StreamingExperts(nn.Module):
         if runtime.slot_maps:  # every expert resident for good: no host sync, as in stock mlx-lm
             runtime.defer(self.layer, indices)
             slot_map = runtime.slot_maps[self.layer]
-            return self.inner(x, slot_map[mx.minimum(indices.astype(mx.uint32), slot_map.size - 1)])
+            valid = mx.minimum(indices.astype(mx.uint32), slot_map.size - 1)
+            return self.inner(x, slot_map[valid])
         ids = np.array(indices)  # host sync: the routing decides what must be read
         runtime.stats.syncs += 1
         slots = runtime.route(self.layer, ids)
@@ -342,6 +343,7 @@ class Runtime:
                 self.pool_of[i] = len(self.pools) - 1
         self.reuses_slots = not all(cache.holds_all for cache in self.caches)
         self.slot_maps: list[mx.array] = []  # per layer, once every expert is resident for good
+        self.deferred: list[tuple[int, mx.array]] = []  # (layer, ids) of calls still to count
         # With a slot for every expert, each expert misses once per session: a prediction's host
         # sync on every token would cost more than reading ahead saves.
         self.prefetch = prefetch and self.reuses_slots
@@ -407,7 +409,6 @@ class Runtime:
         for layer in range(self.plan.num_layers):
             row = self.caches[self.pool_of[layer]].slot_of[layer]
             self.slot_maps.append(mx.array(np.append(row, row[0])))
-        self.deferred: list[tuple[int, mx.array]] = []
 
     def defer(self, layer: int, indices: mx.array) -> None:
         self.deferred.append((layer, indices))
