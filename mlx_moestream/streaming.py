@@ -395,9 +395,9 @@ class Runtime:
         slots = self.request(layer, experts, ids)
         if self.prefetch:
             self._current = set((layer * self.plan.num_experts + experts).tolist())
-        if not self.reuses_slots and layer == self.plan.num_layers - 1 and all(
-                c.resident == len(g) * self.plan.num_experts
-                for c, g in zip(self.caches, self.plan.pools())):
+        if (not self.reuses_slots and not self.slot_maps and layer == self.plan.num_layers - 1
+                and all(c.resident == len(g) * self.plan.num_experts
+                        for c, g in zip(self.caches, self.plan.pools()))):
             self._fix_slots()
         return slots
 
