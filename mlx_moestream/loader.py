@@ -107,7 +107,8 @@ def load(
     current layer computes (outputs never change: routing is always the real router's).
     `drop_page_cache` keeps the OS from caching expert reads on top of the budget. `policy` is a
     name from `policies.POLICIES`, with options as `NAME:OPTION=VALUE,...` (`wlfu:half_life=128`).
-    `progress(items, label)`, a context manager, may wrap the pre-warm reads (a progress bar).
+    `progress(items, label)`, a context manager, may wrap the reads at load (a progress bar):
+    the pre-warm's, or every expert's when the budget holds them all.
     """
     make_policy(policy, capacity=1, num_keys=1)  # a bad name, option or value fails before any read
     path = resolve_model_path(model, revision)
@@ -123,6 +124,8 @@ def load(
                       prefetch)
     runtime.attach(lazy_model)
     mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
+    if not runtime.reuses_slots:
+        runtime.read_all(progress)
     if profile is not None:
         runtime.prewarm(profile, prewarm_share, pin_share, progress)
     return lazy_model, tokenizer

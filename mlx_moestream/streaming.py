@@ -395,20 +395,31 @@ class Runtime:
         slots = self.request(layer, experts, ids)
         if self.prefetch:
             self._current = set((layer * self.plan.num_experts + experts).tolist())
-        if (not self.reuses_slots and not self.slot_maps and layer == self.plan.num_layers - 1
-                and all(c.resident == len(g) * self.plan.num_experts
-                        for c, g in zip(self.caches, self.plan.pools()))):
-            self._fix_slots()
         return slots
 
-    def _fix_slots(self) -> None:
-        """Every expert holds a slot it keeps for good: map ids to slots on the device from now
-        on, and count each call's routing two tokens later, when it has been computed anyway.
-        Ids outside [0, experts) (masked) map to expert 0's slot."""
+    def read_all(self, progress=None) -> int:
+        """When the budget holds every expert, read them all now, as stock mlx-lm reads its
+        weights at load: no slot is ever reused, so ids map to slots on the device from the
+        first token, with no host sync, and each call's routing is counted two tokens later.
+        Ids outside [0, experts) (masked) map to expert 0's slot. Returns the bytes read;
+        `progress(items, label)` may wrap the reads, issued in file order on the I/O threads."""
+        loads = [(layer, expert, self.caches[self.pool_of[layer]].admit(layer, expert))
+                 for layer, l in enumerate(self.plan.layers) for expert in range(l.num_experts)]
+        reads = [self.io.submit(self._read, *load) for load in loads]
+        context = progress(reads, "read experts") if progress else nullcontext(reads)
+        try:
+            with context as items:
+                for (layer, _, _), read in zip(loads, items):
+                    self._count_read(layer, *read.result())
+        except BaseException:
+            for read in reads:
+                read.cancel()
+            raise
         self.slot_maps = []
         for layer in range(self.plan.num_layers):
             row = self.caches[self.pool_of[layer]].slot_of[layer]
             self.slot_maps.append(mx.array(np.append(row, row[0])))
+        return int(self.stats.bytes_read.sum())
 
     def defer(self, layer: int, indices: mx.array) -> None:
         self.deferred.append((layer, indices))

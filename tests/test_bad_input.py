@@ -8,7 +8,7 @@ import pytest
 import mlx_moestream
 from mlx_moestream.budget import BudgetError
 from mlx_moestream.loader import ModelError
-from mlx_moestream.store import StoreError
+from mlx_moestream.store import ExpertStore, StoreError
 
 
 def test_truncated_shard_names_the_file_and_tensor(model_copy):
@@ -106,11 +106,28 @@ def test_unknown_policy_is_rejected(tiny_model):
         mlx_moestream.load(tiny_model("qwen3_moe"), policy="mru")
 
 
+def test_a_file_cut_while_a_full_budget_reads_every_expert_fails_the_load_naming_it(
+        model_copy, monkeypatch):
+    path = model_copy()
+    shard = path / "model.safetensors"
+    read_expert = ExpertStore.read_expert
+
+    def cut_then_read(store, layer, expert, dest):
+        if (layer, expert) == (1, 7):  # the file is cut inside layer 1's expert 7
+            with open(shard, "r+b") as f:
+                f.truncate(int(store.layers[1][-1].offsets[7]))
+        return read_expert(store, layer, expert, dest)
+
+    monkeypatch.setattr(ExpertStore, "read_expert", cut_then_read)
+    with pytest.raises(StoreError, match=r"model\.safetensors: cannot read '.*' of layer 1 expert 7"):
+        mlx_moestream.load(path, budget="100%")
+
+
 def test_read_error_names_file_and_expert_and_the_session_continues(model_copy):
     import mlx.core as mx
 
     path = model_copy()
-    model, _ = mlx_moestream.load(path, budget="100%")
+    model, _ = mlx_moestream.load(path, budget="50%")
     experts = model.model.layers[1].mlp.switch_mlp
     shard = path / "model.safetensors"
     size = shard.stat().st_size
