@@ -123,19 +123,18 @@ class ExpertCache:
             keys, experts = keys[unpinned], experts[unpinned]
             stats.hits[layer] += int((~unpinned).sum())
         slots = self.slot_of[layer][experts].tolist()
-        if min(slots, default=0) >= 0:  # all resident: the hot path
+        if -1 not in slots:  # all resident: the hot path
             stats.hits[layer] += len(slots)
             policy.access(keys)
             return []
-        key_list = keys.tolist()
-        hits = [k for k, s in zip(key_list, slots) if s >= 0]
+        key_list, expert_list = keys.tolist(), experts.tolist()
         missing = [i for i, s in enumerate(slots) if s < 0]
-        stats.hits[layer] += len(hits)
+        stats.hits[layer] += len(slots) - len(missing)
         stats.misses[layer] += len(missing)
-        if hits:
-            policy.access(np.array(hits))
-        return self._load(layer, policy, [int(experts[i]) for i in missing],
-                          [key_list[i] for i in missing], set(key_list))
+        new = [key_list[i] for i in missing]
+        loads = self._place(layer, policy, [expert_list[i] for i in missing], new, set(key_list))
+        policy.access(keys, new)
+        return loads
 
     def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]) -> list[tuple[int, int]]:
         """Make predicted `experts` resident ahead of need, through the policy like any load.
@@ -146,11 +145,13 @@ class ExpertCache:
         """
         experts = experts[self.slot_of[layer][experts] < 0].tolist()
         keys = [layer * self.num_experts + e for e in experts]
-        return self._load(layer, self.policy_of[layer], experts, keys,
-                          protected | set(keys), used=False)
+        policy = self.policy_of[layer]
+        loads = self._place(layer, policy, experts, keys, protected | set(keys))
+        policy.insert(keys)
+        return loads
 
-    def _load(self, layer: int, policy: Policy, experts: list[int], keys: list[int],
-              protected: set[int], used: bool = True) -> list[tuple[int, int]]:
+    def _place(self, layer: int, policy: Policy, experts: list[int], keys: list[int],
+               protected: set[int]) -> list[tuple[int, int]]:
         """Give non-resident `experts` slots: free ones first, then the policy's victims (one
         batch for the whole call). Returns the (expert, slot) pairs to load."""
         n = len(experts)
@@ -169,7 +170,6 @@ class ExpertCache:
                 evictions[victim // self.num_experts] += 1
         for key, slot in zip(keys, slots):
             slot_by_key[key] = slot
-        policy.insert(np.array(keys), used)
         return list(zip(experts, slots))
 
     def discard(self, layer: int, expert: int) -> None:
@@ -190,7 +190,8 @@ class ExpertCache:
             return None
         slot = self.free.pop()
         self.slot_of[layer, expert] = slot
-        self.policy_of[layer].insert(self.key_of[layer, [expert]])
+        key = int(self.key_of[layer, expert])
+        self.policy_of[layer].access(np.array([key]), [key])
         return slot
 
     def pin(self, layer: int, expert: int) -> None:

@@ -19,25 +19,24 @@ DEFAULT_POLICY = "wlfu"
 class Policy:
     """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
 
-    Calls: `access(keys)` with the resident keys one call used (hits: distinct keys, a numpy
-    integer array), `insert(keys)` when keys become resident (a call's misses, same form; with
-    `used=False` a prefetch, which is ranked as unused until a call uses it, so a wrong
-    prediction is the first to go),
-    `victims(n, protected)` to remove and return the next `n` keys to evict (never one in
-    `protected`, the keys of the current call), `remove(key)` when a key leaves without eviction,
-    `tick(tokens)` to advance the token clock, `seed(counts)` to start from a saved activation
-    profile (`{key: count}`). A call's misses come as one `victims` and one `insert`, so a policy
-    can choose them together.
+    Calls: `access(keys, new)` with the keys one call used (distinct, a numpy integer array),
+    `new` listing those that just became resident for it (its misses); `insert(keys)` when keys
+    become resident without a use (a prefetch: ranked as unused until a call uses it, so a wrong
+    prediction is the first to go); `victims(n, protected)` to remove and return the next `n`
+    keys to evict (never one in `protected`, the keys of the current call); `remove(key)` when a
+    key leaves without eviction; `tick(tokens)` to advance the token clock; `seed(counts)` to
+    start from a saved activation profile (`{key: count}`). A call's misses come as one `victims`
+    then one `access`, so a policy can choose them together and count the call in one update.
     """
 
     def __init__(self, capacity: int, num_keys: int):
         self.capacity = capacity
         self.num_keys = num_keys
 
-    def access(self, keys: np.ndarray) -> None:
+    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         raise NotImplementedError
 
-    def insert(self, keys: np.ndarray, used: bool = True) -> None:
+    def insert(self, keys: list[int]) -> None:
         raise NotImplementedError
 
     def victims(self, n: int, protected: set[int]) -> list[int]:
@@ -60,16 +59,17 @@ class LRU(Policy):
         super().__init__(capacity, num_keys)
         self.order: OrderedDict[int, None] = OrderedDict()
 
-    def access(self, keys: np.ndarray) -> None:
+    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         move = self.order.move_to_end
         for key in keys.tolist():
-            move(key)
+            if key not in new:
+                move(key)
+        self.order.update(dict.fromkeys(new))  # the misses, after the hits
 
-    def insert(self, keys: np.ndarray, used: bool = True) -> None:
-        self.order.update(dict.fromkeys(keys.tolist()))
-        if not used:
-            for key in keys.tolist():
-                self.order.move_to_end(key, last=False)
+    def insert(self, keys: list[int]) -> None:
+        self.order.update(dict.fromkeys(keys))
+        for key in keys:
+            self.order.move_to_end(key, last=False)
 
     def victims(self, n: int, protected: set[int]) -> list[int]:
         return [_pop_oldest(self.order, protected) for _ in range(n)]
@@ -92,15 +92,14 @@ class LFU(Policy):
         self.uses = 0
         self.resident = _Resident(num_keys)
 
-    def access(self, keys: np.ndarray) -> None:
+    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         self.uses += 1
         self.count[keys] += 1
         self.last_use[keys] = self.uses
+        self.insert(new)
 
-    def insert(self, keys: np.ndarray, used: bool = True) -> None:
-        if used:
-            self.access(keys)
-        for key in keys.tolist():
+    def insert(self, keys: list[int]) -> None:
+        for key in keys:
             self.resident.add(key)
 
     def victims(self, n: int, protected: set[int]) -> list[int]:
@@ -162,18 +161,16 @@ class WindowLFU(Policy):
         self.touched = 0  # keys used since then (a bound on the guarded ones added)
         self._forget_order()
 
-    def access(self, keys: np.ndarray) -> None:
+    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         self.uses += 1
         self.touched += len(keys)
         self.count[keys] += self.weight
         self.last_use[keys] = self.uses
+        resident = self.resident
+        for key in new:
+            resident[key] = True
 
-    def insert(self, keys: np.ndarray, used: bool = True) -> None:
-        if used:
-            self.uses += 1
-            self.touched += len(keys)
-            self.count[keys] += self.weight
-            self.last_use[keys] = self.uses
+    def insert(self, keys: list[int]) -> None:
         self.resident[keys] = True
 
     def remove(self, key: int) -> None:
@@ -186,11 +183,12 @@ class WindowLFU(Policy):
         chosen: list[int] = []
         resident, last_use = self.resident, self.last_use
         while len(chosen) < n:
-            while self.next == len(self.order):
+            if self.next == len(self.order):
                 self._rank(protected)
+                continue
             key = self.order[self.next]
             self.next += 1
-            if last_use[key] <= self.evictable_below and key not in protected:
+            if key not in protected and last_use[key] <= self.evictable_below:
                 resident[key] = False
                 chosen.append(key)
         return chosen
@@ -204,11 +202,12 @@ class WindowLFU(Policy):
         active = self.resident.nonzero()[0]
         recency = self.last_use[active]
         below = (self.starts[0], self.starts[-1], self.uses)[level]
+        eligible = active[recency <= below]
         if level == 0:
-            self.guarded, self.touched = int(np.count_nonzero(recency > below)), 0
+            self.guarded, self.touched = len(active) - len(eligible), 0
             if self.guarded > self.guard_limit:
                 level, below = 1, self.starts[-1]
-        eligible = active[recency <= below]
+                eligible = active[recency <= below]
         if level == 2:
             eligible = eligible[~np.isin(eligible, list(protected))]
             if not len(eligible):
@@ -272,10 +271,12 @@ class SLRU(Policy):
         self.count = np.zeros(num_keys)
         self.tokens = 0
 
-    def access(self, keys: np.ndarray) -> None:
+    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         self.count[keys] += 1
         protected = self.protected
         for key in keys.tolist():
+            if key in new:
+                continue
             if key in protected:
                 protected.move_to_end(key)
                 continue
@@ -283,14 +284,13 @@ class SLRU(Policy):
             protected[key] = None
             if len(protected) > self.protected_slots:
                 self._enter_probation(protected.popitem(last=False)[0])
-
-    def insert(self, keys: np.ndarray, used: bool = True) -> None:
-        if used:
-            self.count[keys] += 1
-        for key in keys.tolist():
+        for key in new:  # a miss enters probation; a hit promotes
             self._enter_probation(key)
-            if not used:
-                self.entered[key] = -1  # before every key that a call used
+
+    def insert(self, keys: list[int]) -> None:
+        for key in keys:
+            self._enter_probation(key)
+            self.entered[key] = -1  # before every key that a call used
 
     def _enter_probation(self, key: int) -> None:
         self.probation.add(key)
@@ -360,14 +360,13 @@ class Belady(Policy):
         self.at[key] = at
         self.next_use[key] = future.next_at[at]
 
-    def access(self, keys: np.ndarray) -> None:
+    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         for key in keys.tolist():
             self._use(key)
+        self.insert(new)
 
-    def insert(self, keys: np.ndarray, used: bool = True) -> None:
-        for key in keys.tolist():
-            if used:
-                self._use(key)
+    def insert(self, keys: list[int]) -> None:
+        for key in keys:
             self.resident.add(key)
 
     def victims(self, n: int, protected: set[int]) -> list[int]:

@@ -6,7 +6,7 @@ layers (no expert is read):
   - `miss_us`: the synthetic drift trace at 25% and 50% capacity, after a warm-up of a quarter
     of the trace; `miss_rate` is the share of accesses that missed while timed.
 Each gives `us`, the whole `ExpertCache.request` + `tick` (residency map, statistics and policy),
-and `policy_us`, the policy's own calls (`access`, `insert`, `victims`, `tick`): the calls the
+and `policy_us`, the policy's own calls (`access`, `victims`, `tick`): the calls the
 cache made, recorded and replayed on a fresh policy, timed with the replay loop's overhead.
 Hit rates: each policy replayed on synthetic drift traces (see `synthetic_trace`; the workload
 switches halfway) at 10%, 25% and 50% capacity, with the difference to LRU in points and the

@@ -146,8 +146,8 @@ def test_victim_is_never_an_expert_of_the_current_call(name):
 @pytest.mark.parametrize("name", ONLINE)
 def test_a_call_with_every_slot_protected_raises(name):
     policy = make_policy(name, 2, 8)
-    policy.insert(np.array([0]))
-    policy.insert(np.array([1]))
+    _miss(policy, 0)
+    _miss(policy, 1)
     with pytest.raises(RuntimeError, match="in use"):
         _victim(policy, {0, 1})
 
@@ -176,7 +176,7 @@ def test_lfu_evicts_the_least_used_expert():
 def test_lfu_breaks_count_ties_by_recency():
     policy = LFU(4, 8)
     for key in (5, 6, 7):
-        policy.insert(np.array([key]))
+        _miss(policy, key)
     policy.access(np.array([5]))
     policy.access(np.array([7]))  # 5 and 7 used twice, 6 once
     assert _victim(policy, set()) == 6
@@ -185,19 +185,19 @@ def test_lfu_breaks_count_ties_by_recency():
 
 def test_lfu_remembers_counts_of_experts_that_left():
     policy = LFU(2, 8)
-    policy.insert(np.array([1]))
+    _miss(policy, 1)
     policy.access(np.array([1]))
     policy.access(np.array([1]))
     _victim(policy, set())
-    policy.insert(np.array([1]))  # returns with its earlier uses
-    policy.insert(np.array([2]))
+    _miss(policy, 1)  # returns with its earlier uses
+    _miss(policy, 2)
     policy.access(np.array([2]))
     assert _victim(policy, set()) == 2
 
 
 def test_wlfu_weighs_a_use_one_half_life_ago_as_half_a_use_now():
     policy = WindowLFU(2, 8, half_life=4, recent_tokens=1)
-    policy.insert(np.array([0, 1]))
+    _miss(policy, 0, 1)
     policy.access(np.array([0]))
     policy.access(np.array([0]))  # 0: three uses at token 0; 1: one
     policy.tick(4)
@@ -208,12 +208,12 @@ def test_wlfu_weighs_a_use_one_half_life_ago_as_half_a_use_now():
 
 def test_wlfu_lets_a_formerly_hot_expert_go_once_it_decays():
     policy = WindowLFU(2, 8, half_life=4)
-    policy.insert(np.array([0]))
+    _miss(policy, 0)
     for _ in range(8):
         policy.access(np.array([0]))
-    policy.insert(np.array([1]))
+    _miss(policy, 1)
     assert _victim(policy, set()) == 1  # 0 is hot
-    policy.insert(np.array([1]))
+    _miss(policy, 1)
     for _ in range(5):
         policy.tick(4)  # 9 uses of 0 halve to 0.28
         policy.access(np.array([1]))
@@ -222,21 +222,21 @@ def test_wlfu_lets_a_formerly_hot_expert_go_once_it_decays():
 
 def test_wlfu_keeps_an_expert_of_the_previous_token_over_a_more_frequent_older_one():
     policy = WindowLFU(2, 8, half_life=64, recent_tokens=2)
-    policy.insert(np.array([0]))
+    _miss(policy, 0)
     for _ in range(5):
         policy.access(np.array([0]))
     policy.tick(1)
     policy.tick(1)  # expert 0 was last used two tokens ago
-    policy.insert(np.array([1]))  # used once, in this token
+    _miss(policy, 1)  # used once, in this token
     policy.tick(1)  # next token: 1 is from the previous token, 0 is older
     assert _victim(policy, set()) == 0
 
 
 def test_wlfu_evicts_a_recent_expert_when_no_other_is_left():
     policy = WindowLFU(2, 8, recent_tokens=2)
-    policy.insert(np.array([0]))
+    _miss(policy, 0)
     policy.access(np.array([0]))
-    policy.insert(np.array([1]))
+    _miss(policy, 1)
     assert _victim(policy, set()) == 1  # both recent: the least used goes
 
 
@@ -248,17 +248,17 @@ def test_wlfu_rejects_a_half_life_below_one_token():
 def test_slru_evicts_probation_before_protected():
     policy = SLRU(3, 8, protected_share=0.7)  # 2 protected slots
     for key in (0, 1, 2):
-        policy.insert(np.array([key]))
+        _miss(policy, key)
     policy.access(np.array([0, 1]))  # promoted
     assert _victim(policy, set()) == 2
-    policy.insert(np.array([3]))
+    _miss(policy, 3)
     assert _victim(policy, set()) == 3
 
 
 def test_slru_demotes_the_least_recent_protected_key_when_the_segment_overflows():
     policy = SLRU(4, 8, protected_share=0.5)  # 2 protected slots
     for key in (0, 1, 2, 3):
-        policy.insert(np.array([key]))
+        _miss(policy, key)
     policy.tick(1)
     policy.access(np.array([0]))
     policy.access(np.array([1]))
@@ -272,7 +272,7 @@ def test_slru_breaks_ties_among_keys_entering_in_one_token_by_frequency():
     policy = SLRU(4, 8)
     policy.seed({5: 3.0})
     for key in (5, 6, 7):
-        policy.insert(np.array([key]))
+        _miss(policy, key)
     assert _victim(policy, set()) in (6, 7)
     assert _victim(policy, set()) in (6, 7)
     assert _victim(policy, set()) == 5
@@ -281,16 +281,16 @@ def test_slru_breaks_ties_among_keys_entering_in_one_token_by_frequency():
 def test_belady_evicts_the_key_used_farthest_in_the_future():
     future = np.array([0, 1, 2, 1, 0])
     policy = Belady(2, 4, future)
-    policy.insert(np.array([0]))
-    policy.insert(np.array([1]))
+    _miss(policy, 0)
+    _miss(policy, 1)
     assert _victim(policy, {2}) == 0  # 1 comes back before 0
-    policy.insert(np.array([2]))
+    _miss(policy, 2)
     assert _victim(policy, {1}) == 2  # never used again
 
 
 def test_belady_refuses_a_use_the_future_does_not_hold():
     policy = Belady(2, 4, np.array([0, 1]))
-    policy.insert(np.array([1]))
+    _miss(policy, 1)
     with pytest.raises(RuntimeError, match="out of the order"):
         policy.access(np.array([1]))
 
@@ -438,6 +438,11 @@ def test_split_slots_stays_within_bounds_on_random_inputs():
 def test_split_slots_rejects_impossible_splits(args, match):
     with pytest.raises(ValueError, match=match):
         split_slots(*args)
+
+
+def _miss(policy, *keys: int) -> None:
+    """A call that used `keys`, none of them resident before it."""
+    policy.access(np.array(keys), list(keys))
 
 
 def _victim(policy, protected: set[int]) -> int:
