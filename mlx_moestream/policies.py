@@ -19,8 +19,8 @@ DEFAULT_POLICY = "wlfu"
 class Policy:
     """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
 
-    Calls: `access(keys, new)` with the keys one call used (distinct, a numpy integer array),
-    `new` listing those that just became resident for it (its misses); `insert(keys)` when keys
+    Calls: `access(keys, new)` with the keys one call used (distinct, a numpy integer array
+    the policy may keep; the caller does not change it), `new` listing those that just became resident for it (its misses); `insert(keys)` when keys
     become resident without a use (a prefetch: ranked as unused until a call uses it, so a wrong
     prediction is the first to go); `victims(n, protected)` to remove and return the next `n`
     keys to evict (never one in `protected`, the keys of the current call); `remove(key)` when a
@@ -132,10 +132,11 @@ class WindowLFU(Policy):
 
     Cost (the default policy runs on every MoE layer call): nothing is rescanned per use.
     Instead of halving every count, a use adds `2 ** (tokens // half_life)`, which keeps the
-    order (counts are rescaled rarely, to stay finite). A use cannot make an expert evictable
-    within its token, so the evictable experts are ranked once per token, least count first,
-    and victims are read off that order; only the lowest `_RANK_SIZE` counts are sorted, more
-    when a token evicts more.
+    order (counts are rescaled rarely, to stay finite). Counts are read only to rank, so a
+    call's uses are added to them in one batch per token (or at the next ranking). A use cannot
+    make an expert evictable within its token, so the evictable experts are ranked once per
+    token, least count first, and victims are read off that order; only the lowest
+    `_RANK_SIZE` counts are sorted, more when a token evicts more.
     """
 
     def __init__(self, capacity: int, num_keys: int, half_life: int = 64, recent_tokens: int = 2,
@@ -149,7 +150,8 @@ class WindowLFU(Policy):
             raise ValueError(f"guard_share must be in [0, 1], got {guard_share}")
         self.half_life = half_life
         self.guard_limit = capacity * guard_share
-        self.count = np.zeros(num_keys)  # decayed uses, times `weight`
+        self.count = np.zeros(num_keys)  # decayed uses, times `weight`, but for `pending`
+        self.pending: list[np.ndarray] = []  # keys of the calls not yet added to `count`
         self.weight = 1.0  # what one use adds now
         self.rescaled = 0  # halvings already applied to `count`
         self.tokens = 0
@@ -164,7 +166,7 @@ class WindowLFU(Policy):
     def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         self.uses += 1
         self.touched += len(keys)
-        self.count[keys] += self.weight
+        self.pending.append(keys)
         self.last_use[keys] = self.uses
         resident = self.resident
         for key in new:
@@ -198,16 +200,17 @@ class WindowLFU(Policy):
         next call widens them: the unguarded (guarding only the current token's experts when
         the guard is over its share), then all but the current token's, then every resident
         but `protected`."""
+        self._count_pending()
         level = min(self.level + 1, 2) if self.complete else self.level
-        active = self.resident.nonzero()[0]
-        recency = self.last_use[active]
+        resident, last_use = self.resident, self.last_use
         below = (self.starts[0], self.starts[-1], self.uses)[level]
-        eligible = active[recency <= below]
+        eligible = (resident & (last_use <= below)).nonzero()[0]
         if level == 0:
-            self.guarded, self.touched = len(active) - len(eligible), 0
+            self.guarded = int(np.count_nonzero(resident)) - len(eligible)
+            self.touched = 0
             if self.guarded > self.guard_limit:
                 level, below = 1, self.starts[-1]
-                eligible = active[recency <= below]
+                eligible = (resident & (last_use <= below)).nonzero()[0]
         if level == 2:
             eligible = eligible[~np.isin(eligible, list(protected))]
             if not len(eligible):
@@ -229,7 +232,14 @@ class WindowLFU(Policy):
         self.level = -1
         self.complete = True
 
+    def _count_pending(self) -> None:
+        """Add the pending uses to `count`: one numpy call per token instead of one per call."""
+        if self.pending:
+            np.add.at(self.count, np.concatenate(self.pending), self.weight)
+            self.pending = []
+
     def tick(self, tokens: int) -> None:
+        self._count_pending()  # at the weight of the token they were used in
         guarded = len(self.starts)
         self.starts = (self.starts + [self.uses] * min(tokens, guarded))[-guarded:]
         clock = self.tokens + tokens
@@ -243,6 +253,7 @@ class WindowLFU(Policy):
         self._forget_order()
 
     def seed(self, counts: dict[int, float]) -> None:
+        self._count_pending()
         _add_counts(self.count, counts, self.weight)
         self._forget_order()
 
