@@ -81,6 +81,10 @@ class ExpertCache:
         num_layers = len(stats.layer_names)
         self.slot_of = np.full((num_layers, num_experts), -1, np.int32)
         self.slot_by_key = self.slot_of.reshape(-1)  # the same array, indexed by key
+        # the arrays written one item at a time per call, as memoryviews: half numpy's cost
+        self._slot_by_key = memoryview(self.slot_by_key)
+        self._hits, self._misses = memoryview(stats.hits), memoryview(stats.misses)
+        self._evictions = memoryview(stats.evictions)
         self.key_of = np.arange(num_layers * num_experts).reshape(num_layers, num_experts)
         self.free = list(range(num_slots - 1, -1, -1))
         self.pinned = np.zeros(num_layers * num_experts, np.bool_)
@@ -115,22 +119,21 @@ class ExpertCache:
         handful of experts, so past the one gather of their slots the work is on plain lists:
         each numpy call on a tiny array costs more than the Python loop it replaces.
         """
-        stats = self.stats
         policy = self.policy_of[layer]
         keys = self.key_of[layer][experts]
         if self.any_pinned:  # pinned keys are outside the policy
             unpinned = ~self.pinned[keys]
             keys, experts = keys[unpinned], experts[unpinned]
-            stats.hits[layer] += int((~unpinned).sum())
+            self._hits[layer] += int((~unpinned).sum())
         slots = self.slot_of[layer][experts].tolist()
         if -1 not in slots:  # all resident: the hot path
-            stats.hits[layer] += len(slots)
+            self._hits[layer] += len(slots)
             policy.access(keys)
             return []
         key_list, expert_list = keys.tolist(), experts.tolist()
         missing = [i for i, s in enumerate(slots) if s < 0]
-        stats.hits[layer] += len(slots) - len(missing)
-        stats.misses[layer] += len(missing)
+        self._hits[layer] += len(slots) - len(missing)
+        self._misses[layer] += len(missing)
         new = [key_list[i] for i in missing]
         loads = self._place(layer, policy, [expert_list[i] for i in missing], new, set(key_list))
         policy.access(keys, new)
@@ -161,13 +164,13 @@ class ExpertCache:
         if self.per_layer:
             free = max(0, min(free, self.limit[layer] - self.resident_in(layer)))
         slots = [self.free.pop() for _ in range(free)]
-        slot_by_key = self.slot_by_key
+        slot_by_key = self._slot_by_key
         if free < n:
-            evictions = self.stats.evictions
+            evictions, num_experts = self._evictions, self.num_experts
             for victim in policy.victims(n - free, protected):
-                slots.append(int(slot_by_key[victim]))
+                slots.append(slot_by_key[victim])
                 slot_by_key[victim] = -1
-                evictions[victim // self.num_experts] += 1
+                evictions[victim // num_experts] += 1
         for key, slot in zip(keys, slots):
             slot_by_key[key] = slot
         return list(zip(experts, slots))
