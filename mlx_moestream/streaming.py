@@ -276,9 +276,11 @@ class StreamingExperts(nn.Module):
 
 # Prefetch reads ahead for a layer only while at least this share of its predicted misses (the
 # predicted experts that were not resident: what a prefetch reads) turn out routed, once this
-# many have been scored; the tally halves past 16x that, so it follows a changing workload.
+# many have been scored; the tally halves past 16x that, so it follows a changing workload. Only
+# one-token calls are tallied: a prompt's prediction names the experts of many tokens at once,
+# routed far more often than a decode step's, and would keep reading ahead where it never pays.
 PREFETCH_MIN_USEFUL = 0.25
-PREFETCH_WARMUP = 64
+PREFETCH_WARMUP = 16
 PREFETCH_PROBE = 8  # while it does not pay, a layer is predicted on one token in this many
 
 
@@ -389,7 +391,7 @@ class Runtime:
             self.recorder.record(layer, masked.reshape(-1, masked.shape[-1]))
         experts = np.unique(ids)
         if layer in self.predicted:
-            self._score_prediction(layer, experts)
+            self._score_prediction(layer, experts, tally=ids.size == ids.shape[-1])
         if len(experts) > self.capacity(layer):
             return None
         slots = self.request(layer, experts, ids)
@@ -519,15 +521,18 @@ class Runtime:
         self.inflight = []
         self.stats.stall_seconds[layer] += time.perf_counter() - start
 
-    def _score_prediction(self, layer: int, experts: np.ndarray) -> None:
+    def _score_prediction(self, layer: int, experts: np.ndarray, tally: bool) -> None:
+        """Count how the prediction for this call did; `tally` (one-token calls) also feeds the
+        gate of `_pays`."""
         predicted = self.predicted.pop(layer)
         routed = set(experts.tolist())
         misses = self.predicted_misses.pop(layer)
-        self.misses_predicted[layer] += len(misses)
-        self.misses_routed[layer] += len(misses & routed)
-        if self.misses_predicted[layer] > 16 * PREFETCH_WARMUP:
-            self.misses_predicted[layer] /= 2
-            self.misses_routed[layer] /= 2
+        if tally:
+            self.misses_predicted[layer] += len(misses)
+            self.misses_routed[layer] += len(misses & routed)
+            if self.misses_predicted[layer] > 16 * PREFETCH_WARMUP:
+                self.misses_predicted[layer] /= 2
+                self.misses_routed[layer] /= 2
         stats = self.stats
         stats.predicted[layer] += len(predicted)
         stats.routed_scored[layer] += len(routed)
