@@ -20,13 +20,14 @@ class Policy:
     """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
 
     Calls: `access(keys, new)` with the keys one call used (distinct, a numpy integer array
-    the policy may keep; the caller does not change it), `new` listing those that just became resident for it (its misses); `insert(keys)` when keys
-    become resident without a use (a prefetch: ranked as unused until a call uses it, so a wrong
-    prediction is the first to go); `victims(n, protected)` to remove and return the next `n`
-    keys to evict (never one in `protected`, the keys of the current call); `remove(key)` when a
-    key leaves without eviction; `tick(tokens)` to advance the token clock; `seed(counts)` to
-    start from a saved activation profile (`{key: count}`). A call's misses come as one `victims`
-    then one `access`, so a policy can choose them together and count the call in one update.
+    the policy may keep; the caller does not change it), `new` listing those that just became
+    resident for it (its misses); `insert(keys)` when keys become resident without a use (a
+    prefetch: ranked as unused until a call uses it, so a wrong prediction is the first to go);
+    `victims(n, protected)` to remove and return the next `n` keys to evict (never one in
+    `protected`, the keys of the current call); `remove(key)` when a key leaves without eviction;
+    `tick(tokens)` to advance the token clock; `seed(counts)` to start from a saved activation
+    profile (`{key: count}`). A call's misses come as one `victims` then one `access`, so a
+    policy can choose them together and count the call in one update.
     """
 
     def __init__(self, capacity: int, num_keys: int):
