@@ -80,9 +80,8 @@ class ExpertCache:
         self.stats = stats
         num_layers = len(stats.layer_names)
         self.slot_of = np.full((num_layers, num_experts), -1, np.int32)
-        self.slot_by_key = self.slot_of.reshape(-1)  # the same array, indexed by key
         # the arrays written one item at a time per call, as memoryviews: half numpy's cost
-        self._slot_by_key = memoryview(self.slot_by_key)
+        self.slot_by_key = memoryview(self.slot_of.reshape(-1))  # slot_of, indexed by key
         self._hits, self._misses = memoryview(stats.hits), memoryview(stats.misses)
         self._evictions = memoryview(stats.evictions)
         self.key_of = np.arange(num_layers * num_experts).reshape(num_layers, num_experts)
@@ -164,7 +163,7 @@ class ExpertCache:
         if self.per_layer:
             free = max(0, min(free, self.limit[layer] - self.resident_in(layer)))
         slots = [self.free.pop() for _ in range(free)]
-        slot_by_key = self._slot_by_key
+        slot_by_key = self.slot_by_key
         if free < n:
             evictions, num_experts = self._evictions, self.num_experts
             for victim in policy.victims(n - free, protected):

@@ -399,12 +399,12 @@ class Runtime:
             self._current = set((layer * self.plan.num_experts + experts).tolist())
         return slots
 
-    def read_all(self, progress=None) -> int:
+    def read_all(self, progress=None) -> None:
         """When the budget holds every expert, read them all now, as stock mlx-lm reads its
         weights at load: no slot is ever reused, so ids map to slots on the device from the
         first token, with no host sync, and each call's routing is counted two tokens later.
-        Ids outside [0, experts) (masked) map to expert 0's slot. Returns the bytes read;
-        `progress(items, label)` may wrap the reads, issued in file order on the I/O threads."""
+        Ids outside [0, experts) (masked) map to expert 0's slot. `progress(items, label)` may
+        wrap the reads, issued in file order on the I/O threads."""
         loads = [(layer, expert, self.caches[self.pool_of[layer]].admit(layer, expert))
                  for layer, l in enumerate(self.plan.layers) for expert in range(l.num_experts)]
         reads = [self.io.submit(self._read, *load) for load in loads]
@@ -421,7 +421,6 @@ class Runtime:
         for layer in range(self.plan.num_layers):
             row = self.caches[self.pool_of[layer]].slot_of[layer]
             self.slot_maps.append(mx.array(np.append(row, row[0])))
-        return int(self.stats.bytes_read.sum())
 
     def defer(self, layer: int, indices: mx.array) -> None:
         self.deferred.append((layer, indices))
