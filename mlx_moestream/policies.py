@@ -137,7 +137,8 @@ class WindowLFU(Policy):
     call's uses are added to them in one batch per token (or at the next ranking). A use cannot
     make an expert evictable within its token, so the evictable experts are ranked once per
     token, least count first, and victims are read off that order; only the lowest
-    `_RANK_SIZE` counts are sorted, more when a token evicts more.
+    `_RANK_SIZE` counts are sorted, more when a token evicts more, and a token's ranking reads
+    only the keys counted below where the previous one stopped.
     """
 
     def __init__(self, capacity: int, num_keys: int, half_life: int = 64, recent_tokens: int = 2,
@@ -157,6 +158,7 @@ class WindowLFU(Policy):
         self.rescaled = 0  # halvings already applied to `count`
         self.tokens = 0
         self.uses = 0  # calls to `access` so far
+        self.now = np.zeros((), np.int64)  # `uses` as an array: numpy assigns it without converting
         self.last_use = np.zeros(num_keys, np.int64)  # `uses` at the key's latest use; 0: never
         self.starts = [0] * recent_tokens  # `uses` before each guarded token, oldest first
         self.resident = np.zeros(num_keys, np.bool_)
@@ -165,13 +167,15 @@ class WindowLFU(Policy):
         self.guarded = 0  # guarded residents at the latest count, plus
         self.touched = 0  # keys used since then (a bound on the guarded ones added)
         self.evictable_below = 0  # keys used after `uses` reached this are guarded
+        self.bound = np.inf  # a token's first ranking reads only the keys counted at most this
         self._forget_order()
 
     def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         self.uses += 1
+        self.now[()] = self.uses
         self.touched += len(keys)
         self.pending.append(keys)
-        self.last_use[keys] = self.uses
+        self.last_use[keys] = self.now
         resident = self._resident
         for key in new:
             resident[key] = True
@@ -204,28 +208,46 @@ class WindowLFU(Policy):
         """Order the next candidates, least count first. Once all candidates are ranked, the
         next call widens them: the unguarded (guarding only the current token's experts when
         the guard is over its share), then all but the current token's, then every resident
-        but `protected`."""
+        but `protected`.
+
+        Only the lowest `_RANK_SIZE` counts are sorted, every key of the highest of them
+        included, and that highest count is kept as `bound`. A token's first ranking reads only
+        the candidates counted at most `bound`. Whatever the bound, those are a prefix of the
+        full order; as counts only grow, they are about as many as the last ranking sorted (the
+        evicted left, the low counts that left the guard joined), so the partition of every
+        candidate is skipped. When they run out, the next ranking reads every candidate.
+        """
         self._count_pending()
+        first = self.level < 0  # the token's first ranking (or the first since a change)
         level = min(self.level + 1, 2) if self.complete else self.level
-        resident, last_use = self.resident, self.last_use
+        resident, last_use, count = self.resident, self.last_use, self.count
         below = (self.starts[0], self.starts[-1], self.uses)[level]
-        eligible = (resident & (last_use <= below)).nonzero()[0]
+        candidates = resident & (last_use <= below)
         if level == 0:
-            self.guarded = int(np.count_nonzero(resident)) - len(eligible)
+            self.guarded = int(np.count_nonzero(resident) - np.count_nonzero(candidates))
             self.touched = 0
             if self.guarded > self.guard_limit:
                 level, below = 1, self.starts[-1]
-                eligible = (resident & (last_use <= below)).nonzero()[0]
+                candidates = resident & (last_use <= below)
+        eligible = None
+        if first and self.bound < np.inf:
+            eligible = (candidates & (count <= self.bound)).nonzero()[0]
+            if len(eligible) < _RANK_SIZE // 2:  # too few to last the token: read them all
+                eligible = None
+        self.complete = eligible is None
+        if eligible is None:
+            eligible = candidates.nonzero()[0]
         if level == 2:
             eligible = eligible[~np.isin(eligible, list(protected))]
             if not len(eligible):
                 raise _all_in_use()
-        count = self.count[eligible]
-        self.complete = len(eligible) <= _RANK_SIZE
-        if not self.complete:  # the lowest counts, every key of the highest of them included
-            keep = count <= np.partition(count, _RANK_SIZE)[_RANK_SIZE]
-            eligible, count = eligible[keep], count[keep]
-        order = np.lexsort((self.last_use[eligible], count))
+        ranked = count[eligible]
+        if len(eligible) > _RANK_SIZE:  # the lowest counts, every key of the highest of them
+            self.complete = False
+            self.bound = np.partition(ranked, _RANK_SIZE)[_RANK_SIZE]
+            keep = ranked <= self.bound
+            eligible, ranked = eligible[keep], ranked[keep]
+        order = np.lexsort((last_use[eligible], ranked))
         self.order = eligible[order].tolist()
         self.next = 0
         self.level = level
@@ -252,6 +274,7 @@ class WindowLFU(Policy):
         halvings = clock // self.half_life - self.rescaled
         if halvings > 512:  # rescale before the weight overflows; the order is unchanged
             self.count *= 0.5**halvings
+            self.bound *= 0.5**halvings
             self.rescaled += halvings
             halvings = 0
         self.weight = 2.0**halvings

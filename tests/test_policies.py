@@ -6,6 +6,7 @@ from functools import cache
 import numpy as np
 import pytest
 
+from mlx_moestream import policies
 from mlx_moestream.cache import ExpertCache, split_slots
 from mlx_moestream.policies import (
     DEFAULT_POLICY,
@@ -238,6 +239,28 @@ def test_wlfu_evicts_a_recent_expert_when_no_other_is_left():
     policy.access(np.array([0]))
     _miss(policy, 1)
     assert _victim(policy, set()) == 1  # both recent: the least used goes
+
+
+@pytest.mark.parametrize("rank_size, slots", [(256, 512), (16, 256)])  # 16: rankings run out
+def test_wlfu_evicts_as_a_full_ranking_does_when_it_ranks_only_keys_below_its_bound(
+        monkeypatch, rank_size, slots):
+    class FullRanking(WindowLFU):
+        def _rank(self, protected):
+            self.bound = np.inf  # every ranking reads every candidate
+            super()._rank(protected)
+
+    monkeypatch.setattr(policies, "_RANK_SIZE", rank_size)
+    trace = synthetic_trace(300, 8, 128, 8, seed=6)
+    caches = [_cache(slots, 8, 128, lambda n: WindowLFU(n, 8 * 128)),
+              _cache(slots, 8, 128, lambda n: FullRanking(n, 8 * 128))]
+    for t in range(trace.tokens):
+        for cache in caches:
+            cache.tick(1)
+        for layer in range(trace.layers):
+            experts = np.unique(trace.experts[t, layer])
+            bounded, full = (_request(cache, layer, experts) for cache in caches)
+            assert bounded == full
+    assert caches[0].policies[0].bound < np.inf  # partitioned, so later rankings were bounded
 
 
 def test_wlfu_rejects_a_half_life_below_one_token():
