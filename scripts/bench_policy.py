@@ -11,13 +11,15 @@ cache made, recorded and replayed on a fresh policy, timed with the replay loop'
 Hit rates: each policy replayed on synthetic drift traces (see `synthetic_trace`; the workload
 switches halfway) at 10%, 25% and 50% capacity, with the difference to LRU in points and the
 tokens each needs to recover after the switch (see `replay`). Timings are the fastest of
-three runs.
+`--runs` runs; the setup's garbage is collected before each timed loop, so that no collection of
+it (the recorded calls are a large heap) lands in the timed part.
 
     python scripts/bench_policy.py --layers 48 --tokens 2048
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -39,7 +41,7 @@ from mlx_moestream.trace import synthetic_trace  # noqa: E402
 
 
 def time_requests(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: int,
-                  warm_tokens: int, repeats: int = 3) -> dict:
+                  warm_tokens: int, repeats: int) -> dict:
     """Fastest of `repeats` runs (the machine may be shared) of `time_once`, each timing on
     its own."""
     runs = [time_once(name, slots, rows, num_experts, warm_tokens) for _ in range(repeats)]
@@ -82,6 +84,7 @@ def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: 
         for layer, experts in enumerate(row):
             request(layer, experts)
     hits0, misses0 = int(stats.hits.sum()), int(stats.misses.sum())
+    gc.collect()
     start = time.perf_counter()
     for row in rows[warm_tokens:]:
         tick(1)
@@ -116,6 +119,7 @@ def policy_seconds(new_policy: Callable[[int], Policy], slots: int,
     calls = [(getattr(policy, name), args) for name, args in recorder.calls]
     for method, args in calls[:warm_calls]:
         method(*args)
+    gc.collect()
     start = time.perf_counter()
     for method, args in calls[warm_calls:]:
         method(*args)
@@ -137,8 +141,10 @@ def rows_of(experts: np.ndarray) -> list[list[np.ndarray]]:
 @click.option("--repeat", "repeats", type=float, multiple=True, default=(0.1, 0.3),
               show_default=True, help="Temporal locality of the hit-rate traces (repeatable).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--runs", type=int, default=5, show_default=True,
+              help="Timed runs of each configuration; the fastest is reported.")
 def main(layers: int, num_experts: int, top_k: int, tokens: int, repeats: tuple[float, ...],
-         seed: int) -> None:
+         seed: int, runs: int) -> None:
     names = list(POLICIES)
     total = layers * num_experts
     trace = synthetic_trace(tokens, layers, num_experts, top_k, seed=seed)
@@ -148,10 +154,10 @@ def main(layers: int, num_experts: int, top_k: int, tokens: int, repeats: tuple[
     for name in names:
         click.echo(f"timing {name}", err=True)
         cost[name] = {
-            "hit_us": time_requests(name, total, warm_rows, num_experts, 1),
+            "hit_us": time_requests(name, total, warm_rows, num_experts, 1, runs),
             "miss_us": {
                 f"{round(f * 100)}%": time_requests(name, round(f * total), rows, num_experts,
-                                                   tokens // 4)
+                                                   tokens // 4, runs)
                 for f in (0.25, 0.5)
             },
         }
