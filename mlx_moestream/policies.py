@@ -229,14 +229,13 @@ class WindowLFU(Policy):
             if self.guarded > self.guard_limit:
                 level, below = 1, self.starts[-1]
                 candidates = resident & (last_use <= below)
-        eligible = None
-        if first and self.bound < np.inf:
+        bounded = first and self.bound < np.inf
+        if bounded:
             eligible = (candidates & (count <= self.bound)).nonzero()[0]
-            if len(eligible) < _RANK_SIZE // 2:  # too few to last the token: read them all
-                eligible = None
-        self.complete = eligible is None
-        if eligible is None:
+            bounded = len(eligible) >= _RANK_SIZE // 2  # else too few to last the token
+        if not bounded:
             eligible = candidates.nonzero()[0]
+        self.complete = not bounded
         if level == 2:
             eligible = eligible[~np.isin(eligible, list(protected))]
             if not len(eligible):
