@@ -41,11 +41,11 @@ from mlx_moestream.trace import synthetic_trace  # noqa: E402
 
 
 def time_requests(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: int,
-                  warm_tokens: int, repeats: int) -> dict:
-    """Fastest of `repeats` runs (the machine may be shared) of `time_once`, each timing on
-    its own."""
-    runs = [time_once(name, slots, rows, num_experts, warm_tokens) for _ in range(repeats)]
-    return {key: min(run[key] for run in runs) for key in runs[0]}
+                  warm_tokens: int, runs: int) -> dict:
+    """Fastest of `runs` runs (the machine may be shared) of `time_once`, each timing on its
+    own."""
+    timed = [time_once(name, slots, rows, num_experts, warm_tokens) for _ in range(runs)]
+    return {key: min(run[key] for run in timed) for key in timed[0]}
 
 
 class Recorder:
