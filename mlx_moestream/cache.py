@@ -91,7 +91,8 @@ class ExpertCache:
         self.any_pinned = False
         self.per_layer = layer_slots is not None
         if isinstance(policy, str):
-            new_policy = partial(make_policy, policy, num_keys=num_layers * num_experts)
+            new_policy = partial(make_policy, policy, num_keys=num_layers * num_experts,
+                                 num_experts=num_experts)
         else:
             new_policy = policy
         if layer_slots is None:
@@ -192,8 +193,7 @@ class ExpertCache:
             return None
         slot = self.free.pop()
         self.slot_of[layer, expert] = slot
-        key = int(self.key_of[layer, expert])
-        self.policy_of[layer].access(np.array([key]), [key])
+        self.policy_of[layer].warm([int(self.key_of[layer, expert])])
         return slot
 
     def pin(self, layer: int, expert: int) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
+from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-DEFAULT_POLICY = "wlfu"
+DEFAULT_POLICY = "cyclic"
 
 
 class Policy:
@@ -45,6 +46,11 @@ class Policy:
 
     def remove(self, key: int) -> None:
         raise NotImplementedError
+
+    def warm(self, keys: list[int]) -> None:
+        """`keys` became resident by a pre-warm, on the strength of seeded counts."""
+        for key in keys:
+            self.access(np.array([key]), [key])
 
     def tick(self, tokens: int) -> None:
         pass
@@ -288,6 +294,226 @@ class WindowLFU(Policy):
 _RANK_SIZE = 256  # candidates sorted at once: more than a token evicts at common shapes
 
 
+class LayerCyclic(Policy):
+    """Evicts the expert that promises the fewest uses per slot held until its layer's next call.
+
+    Every token calls the MoE layers in order, so an expert of layer j cannot be used again
+    before layer j's next call, `d` layer calls away (1 for the next layer, the number of layers
+    for the layer just called). Holding it that long buys one use with probability `p`; the
+    victim is the key of least `p / d`. A shared pool then behaves like a per-layer partition
+    whose shares follow the uses, and when the budget holds less than one token's experts the
+    layer just served gives its slots back, where LRU would lose every expert before its next
+    call.
+
+    `p` blends two estimates, `freq_share` of the first: the key's decayed use rate (each use
+    counts 1, counts halve every `half_life` tokens, so the cache follows a workload that shifts
+    and a wrong profile's seeded counts fade) and the rate at which keys of its group are used
+    at their layer's next call, learned online (decayed alike): the keys used at their layer's
+    latest call, since consecutive tokens share experts, and the others. Prefetched keys that
+    no call has used yet go first, so a wrong prediction costs a read, not a useful expert.
+
+    Cost per call does not grow with the resident keys: a layer's older keys sit in a heap by
+    count (a count changes only at its layer's calls), and a victim is the best of one least
+    key per layer.
+    """
+
+    layered = True  # takes `num_experts`: a key's layer is `key // num_experts`
+
+    def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
+                 half_life: int = 64, freq_share: float = 0.5):
+        super().__init__(capacity, num_keys)
+        if half_life < 1:
+            raise ValueError(f"half_life must be at least 1 token, got {half_life}")
+        if not 0.0 <= freq_share < 1.0:
+            raise ValueError(f"freq_share must be in [0, 1), got {freq_share}")
+        self.experts = num_experts or num_keys
+        layers = -(-num_keys // self.experts)
+        at = np.arange(layers)
+        # calls from the current one (row: its layer) until each layer's next call, 1..layers
+        self.distance = ((at[None, :] - at[:, None] - 1) % layers + 1).astype(np.float64)
+        self.position = 0  # layer of the current call: the one after the latest accessed
+        self.half_life = half_life
+        # count units: a use every token for long adds up to `1 / per_token`
+        per_token = 1.0 - 0.5 ** (1.0 / half_life)
+        self.group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
+        self.count = np.zeros(num_keys)  # decayed uses, times `weight`
+        self._count = memoryview(self.count)
+        self.weight = 1.0  # what one use adds now
+        self.rescaled = 0
+        self.tokens = 0
+        # per key: 0 not resident, 1 prefetched, unused; 2 used at its layer's latest call; 3 older
+        self.group = np.zeros(num_keys, np.int8)
+        self._group = memoryview(self.group)
+        self.latest: list[list[int]] = [[] for _ in range(layers)]  # keys of each layer's latest call
+        self.old: list[list[tuple[float, int]]] = [[] for _ in range(layers)]  # heaps of (count, key)
+        self.unused: list[int] = []  # prefetched keys, in order
+        # the least count of each layer's group 2 and group 3 residents (inf: none)
+        self.least_latest = np.full(layers, np.inf)
+        self.least_old = np.full(layers, np.inf)
+        # uses and chances (keys at a call of their layer) of groups 2 and 3, in `weight` units
+        self.uses = [1.0, 1.0]
+        self.chances = [2.0, 2.0]
+        self._bonus()
+
+    def _bonus(self) -> None:
+        """Each group's use rate, as counts to add for the blend of `p`."""
+        scale = self.group_weight * self.weight
+        self.bonus_latest = scale * (self.uses[0] / self.chances[0])
+        self.bonus_old = scale * (self.uses[1] / self.chances[1])
+
+    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
+        key_list = keys.tolist()
+        layer = key_list[0] // self.experts
+        self.position = layer + 1 if layer + 1 < len(self.latest) else 0
+        group, count, weight = self._group, self._count, self.weight
+        previous = self.latest[layer]
+        reused = len(set(previous).intersection(key_list))
+        self.uses[0] += reused * weight
+        self.uses[1] += (len(key_list) - reused) * weight
+        self.chances[0] += len(previous) * weight
+        self.chances[1] += (self.experts - len(previous)) * weight
+        for key in key_list:
+            count[key] += weight
+            group[key] = 2
+        heap = self.old[layer]
+        for key in previous:
+            if group[key] == 2 and key not in key_list:
+                group[key] = 3
+                heappush(heap, (count[key], key))
+        self.latest[layer] = key_list
+        self.least_latest[layer] = min(count[key] for key in key_list)
+        self._note_old(layer)
+
+    def warm(self, keys: list[int]) -> None:
+        group, count = self._group, self._count
+        for key in keys:
+            group[key] = 3
+            heappush(self.old[key // self.experts], (count[key], key))
+        for layer in {key // self.experts for key in keys}:
+            self._note_old(layer)
+
+    def insert(self, keys: list[int]) -> None:
+        for key in keys:
+            self._group[key] = 1
+        self.unused += keys
+
+    def remove(self, key: int) -> None:
+        self._forget(key)
+
+    def victims(self, n: int, protected: set[int]) -> list[int]:
+        chosen = []
+        if self.unused:
+            group, keep = self._group, []
+            for key in self.unused:
+                if group[key] != 1:
+                    continue  # used or gone since
+                if len(chosen) < n and key not in protected:
+                    group[key] = 0
+                    chosen.append(key)
+                else:
+                    keep.append(key)
+            self.unused = keep
+        if len(chosen) < n:
+            value = np.minimum(self.least_latest + self.bonus_latest,
+                               self.least_old + self.bonus_old)
+            score = self.distance[self.position] / value
+            here = self.position  # its latest keys that the call does not use just missed
+            score[here] = self.distance[here, here] / self._least(here, protected)[1]
+            while len(chosen) < n:
+                chosen.append(self._victim(score, protected))
+        return chosen
+
+    def _victim(self, score: np.ndarray, protected: set[int]) -> int:
+        """The key of the layer of highest `score` (uses per slot held, inverted), checked
+        against the keys in use and updated as victims leave."""
+        distance = self.distance[self.position]
+        while True:
+            layer = int(score.argmax())
+            if score[layer] <= 0:
+                raise _all_in_use()
+            key, value = self._least(layer, protected)
+            fresh = distance[layer] / value
+            if fresh < score[layer]:  # its least keys are in use: rank the layer again
+                score[layer] = fresh
+                continue
+            self._forget(key)
+            score[layer] = distance[layer] / self._least(layer, protected)[1]
+            return key
+
+    def _least(self, layer: int, protected: set[int]) -> tuple[int, float]:
+        """The layer's evictable key of least count plus group bonus: (-1, inf) if none."""
+        group, count = self._group, self._count
+        best, least = -1, np.inf
+        for key in self.latest[layer]:
+            if group[key] == 2 and key not in protected and count[key] < least:
+                best, least = key, count[key]
+        least += self.bonus_old if layer == self.position else self.bonus_latest
+        heap, aside = self.old[layer], []
+        while heap:
+            value, key = heap[0]
+            if group[key] != 3 or count[key] != value:
+                heappop(heap)  # stale: the key was used or left since
+            elif key in protected:
+                aside.append(heappop(heap))
+            else:
+                if value + self.bonus_old < least:
+                    best, least = key, value + self.bonus_old
+                break
+        for entry in aside:
+            heappush(heap, entry)
+        return best, least
+
+    def _forget(self, key: int) -> None:
+        """`key` leaves: update its layer's least counts."""
+        layer, group = key // self.experts, self._group[key]
+        self._group[key] = 0
+        if group == 2:
+            group_of, count = self._group, self._count
+            self.least_latest[layer] = min(
+                (count[k] for k in self.latest[layer] if group_of[k] == 2), default=np.inf)
+        elif group == 3:
+            self._note_old(layer)
+
+    def _note_old(self, layer: int) -> None:
+        """Drop stale entries from the top of a layer's heap; note its least count."""
+        heap, group, count = self.old[layer], self._group, self._count
+        while heap:
+            value, key = heap[0]
+            if group[key] == 3 and count[key] == value:
+                self.least_old[layer] = value
+                return
+            heappop(heap)
+        self.least_old[layer] = np.inf
+
+    def tick(self, tokens: int) -> None:
+        self.tokens += tokens
+        halvings = self.tokens / self.half_life - self.rescaled
+        if halvings > 64:  # rescale long before the weight overflows; the order is unchanged
+            self._rescale(0.5**halvings)
+            self.rescaled += halvings
+            halvings = 0.0
+        self.weight = 2.0**halvings
+        self._bonus()
+
+    def seed(self, counts: dict[int, float]) -> None:
+        _add_counts(self.count, counts, self.weight)
+        self._rescale(1.0)
+
+    def _rescale(self, factor: float) -> None:
+        """Multiply every count by `factor` and rebuild the orders that hold counts."""
+        self.count *= factor
+        self.uses = [u * factor for u in self.uses]
+        self.chances = [c * factor for c in self.chances]
+        for layer, heap in enumerate(self.old):
+            keys = [key for _, key in heap if self._group[key] == 3]
+            heap[:] = [(self.count[key], key) for key in dict.fromkeys(keys)]
+            heapify(heap)
+            self._note_old(layer)
+            self.least_latest[layer] = min(
+                (self.count[k] for k in self.latest[layer] if self._group[k] == 2),
+                default=np.inf)
+
+
 class SLRU(Policy):
     """Segmented LRU. A key enters probation; a hit on it promotes it to the protected segment
     (`protected_share` of the capacity), whose least recently used key falls back to probation
@@ -420,14 +646,20 @@ POLICIES: dict[str, type[Policy]] = {
     "lfu": LFU,
     "slru": SLRU,
     "wlfu": WindowLFU,
+    "cyclic": LayerCyclic,
     "belady": Belady,
 }
 
 
-def make_policy(spec: str, capacity: int, num_keys: int, **options) -> Policy:
-    """The policy a spec names (see `parse_policy`); `options` add to the spec's own."""
+def make_policy(spec: str, capacity: int, num_keys: int, num_experts: int | None = None,
+                **options) -> Policy:
+    """The policy a spec names (see `parse_policy`); `options` add to the spec's own. Keys are
+    `layer * num_experts + expert`; a policy that ranks by layer is told `num_experts`."""
     name, spec_options = parse_policy(spec)
-    return POLICIES[name](capacity, num_keys, **spec_options, **options)
+    cls = POLICIES[name]
+    if getattr(cls, "layered", False):
+        options["num_experts"] = num_experts
+    return cls(capacity, num_keys, **spec_options, **options)
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:

@@ -5,7 +5,8 @@ A trace file is an `.npz` holding
   num_experts integer scalar             experts per layer; every id is in [-1, num_experts)
   weights     float16 [tokens, layers, k] optional router weights
   segment_id  integer [tokens]           optional: which workload each token belongs to
-Plain numpy (no mlx), like the cache and the policies that replay it.
+Other arrays (a converter's metadata: `model`, `source`, `segment_names`, ...) are kept in
+`Trace.extras`, for display, and otherwise ignored. Plain numpy (no mlx), like the cache and the policies that replay it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import operator
 import os
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ class Trace:
     num_experts: int
     weights: np.ndarray | None = None
     segment_id: np.ndarray | None = None
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # other arrays of the file
 
     def __post_init__(self):
         problem = _problem(self.experts, self.num_experts, self.weights, self.segment_id)
@@ -72,14 +74,11 @@ class Trace:
         missing = [name for name in _REQUIRED if name not in arrays]
         if missing:
             raise TraceError(f"{path}: missing {', '.join(missing)}")
-        unexpected = sorted(set(arrays) - set(_REQUIRED) - set(_OPTIONAL))
-        if unexpected:
-            raise TraceError(f"{path}: unexpected arrays {', '.join(unexpected)}")
-        fields = {name: arrays.get(name) for name in _REQUIRED + _OPTIONAL}
+        fields = {name: arrays.pop(name, None) for name in _REQUIRED + _OPTIONAL}
         problem = _problem(**fields)
         if problem:
             raise TraceError(f"{path}: {problem}")
-        return cls(**fields)
+        return cls(**fields, extras=arrays)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the trace atomically (see `files.atomic_write`)."""

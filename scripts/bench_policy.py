@@ -75,7 +75,7 @@ def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: 
         future = np.concatenate([r + l * num_experts for row in rows for l, r in enumerate(row)])
         new_policy = partial(Belady, num_keys=num_keys, future=Future(future, num_keys))
     else:
-        new_policy = partial(make_policy, name, num_keys=num_keys)
+        new_policy = partial(make_policy, name, num_keys=num_keys, num_experts=num_experts)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
     cache = ExpertCache(slots, list(range(layers)), num_experts, stats, new_policy)
     request, tick = cache.request, cache.tick

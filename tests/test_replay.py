@@ -216,12 +216,18 @@ def test_optional_arrays_may_be_absent(tmp_path):
     assert trace.weights is None and trace.segment_id is None and trace.tokens == 2
 
 
+def test_a_trace_from_another_tool_loads_with_its_extra_arrays_kept_aside(tmp_path):
+    trace = Trace.load(_write(tmp_path / "t.npz", model=np.array("gpt-oss-20b"),
+                              segment_names=np.array(["mmlu/a", "gpqa/b"])))
+    assert trace.tokens == 2 and sorted(trace.extras) == ["model", "segment_names"]
+    assert str(trace.extras["model"]) == "gpt-oss-20b"
+
+
 @pytest.mark.parametrize(
     "changes, problem",
     [
         ({"experts": None}, "missing experts"),
         ({"num_experts": None}, "missing num_experts"),
-        ({"extra": np.zeros(2)}, "unexpected arrays extra"),
         ({"experts": np.zeros((2, 2, 2), np.int32)}, "experts must be an int16 array, got int32"),
         ({"experts": np.zeros((2, 2), np.int16)}, "experts must be \\[tokens, layers, k\\]"),
         ({"experts": np.zeros((0, 2, 2), np.int16)}, "experts is empty"),
