@@ -12,7 +12,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .policies import DEFAULT_POLICY, LRU, POLICIES, Policy, make_policy  # noqa: F401
+from .profiles import Profile
 from .stats import Stats
+
+# A profile's hottest expert in a layer starts as if used this many times recently: enough to
+# outweigh one-off live misses, few enough that a wrong profile's experts lose to the live
+# workload's within a few dozen tokens.
+SEED_USES = 4.0
 
 
 def split_slots(
@@ -195,6 +201,27 @@ class ExpertCache:
         self.slot_of[layer, expert] = slot
         self.policy_of[layer].warm([int(self.key_of[layer, expert])])
         return slot
+
+    def prewarm_plan(self, profile: Profile, share: float, pin_share: float, top_k: int
+                     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Seed the policies with `profile`'s counts (each layer's hottest expert counting
+        `SEED_USES`) and choose what to pre-warm: the hottest experts that fit in `share` of
+        the slots, in file order (layer, expert), and the hottest of those to pin in `pin_share`
+        (leaving each partition room for `top_k` unpinned). The caller `admit`s the first and
+        loads them, then `pin`s the second: the runtime and replay pre-warm alike."""
+        layers = self.policy_of
+        limits = [self.capacity(l) if l in layers else 0 for l in range(len(self.slot_of))]
+        hot = profile.hottest(int(self.num_slots * share) - self.resident, limits)
+        pins, pinned = [], np.zeros(len(self.slot_of), np.int64)
+        for layer, expert in hot[: int(self.num_slots * pin_share)]:
+            used = pinned[layer] if self.per_layer else pinned.sum()
+            if used + 1 <= self.limit[layer] - top_k:
+                pinned[layer] += 1
+                pins.append((layer, expert))
+        seed = profile.seed_counts(SEED_USES)
+        self.seed({int(self.key_of[l, e]): float(seed[l, e])
+                   for l in layers for e in np.flatnonzero(seed[l])})
+        return sorted(hot), pins
 
     def pin(self, layer: int, expert: int) -> None:
         """Keep a resident expert for good: it leaves its policy, so it is never a victim."""

@@ -50,7 +50,7 @@ def main() -> None:
               help="Memory for resident experts: bytes, 8GB, 512MiB, 35% of experts, auto.")
 @click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
               help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}; options as "
-                   "NAME:OPTION=VALUE,... (wlfu:half_life=128).")
+                   "NAME:OPTION=VALUE,... (cyclic:half_life=128).")
 @click.option("--prompt", help="Answer this one prompt and exit (non-interactive).")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
@@ -224,7 +224,7 @@ def _load_profile(name: str):
 @main.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False))
 @click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
-              help="A policy, with options as NAME:OPTION=VALUE,... (wlfu:half_life=128).")
+              help="A policy, with options as NAME:OPTION=VALUE,... (cyclic:half_life=128).")
 @click.option("--capacity", "-c", default="0.25", show_default=True,
               help="(layer, expert) slots, or a fraction of all of them (0.25).")
 @click.option("--per-layer", is_flag=True, help="Split the slots evenly per layer.")
@@ -240,19 +240,18 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
 
     try:
         trace = Trace.load(trace_path)
-        seed = None
+        profile = None
         if profile_name:
             profile = _load_profile(profile_name)
             if profile.counts.shape != (trace.layers, trace.num_experts):
                 raise ValueError(
                     f"profile '{profile.workload}' has {profile.counts.shape[0]} layers x "
                     f"{profile.counts.shape[1]} experts, the trace {trace.layers} x {trace.num_experts}")
-            seed = {i: float(v) for i, v in enumerate(profile.decayed.reshape(-1)) if v > 0}
         if sweep:
             results = rp.sweep(trace, sorted(POLICIES), [0.05, 0.1, 0.25, 0.5, 0.75, 1.0],
-                               per_layer, seed)
+                               per_layer, profile)
         else:
-            results = [rp.replay(trace, policy, _capacity(capacity), per_layer, seed)]
+            results = [rp.replay(trace, policy, _capacity(capacity), per_layer, profile)]
     except ValueError as e:
         _fail(e)
     if plot and sweep and not rp.plot_sweep(results, plot):

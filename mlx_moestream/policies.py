@@ -366,8 +366,8 @@ class LayerCyclic(Policy):
         layer = key_list[0] // self.experts
         self.position = layer + 1 if layer + 1 < len(self.latest) else 0
         group, count, weight = self._group, self._count, self.weight
-        previous = self.latest[layer]
-        reused = len(set(previous).intersection(key_list))
+        previous, current = self.latest[layer], set(key_list)
+        reused = len(current.intersection(previous))
         self.uses[0] += reused * weight
         self.uses[1] += (len(key_list) - reused) * weight
         self.chances[0] += len(previous) * weight
@@ -377,11 +377,11 @@ class LayerCyclic(Policy):
             group[key] = 2
         heap = self.old[layer]
         for key in previous:
-            if group[key] == 2 and key not in key_list:
+            if group[key] == 2 and key not in current:
                 group[key] = 3
                 heappush(heap, (count[key], key))
         self.latest[layer] = key_list
-        self.least_latest[layer] = min(count[key] for key in key_list)
+        self.least_latest[layer] = min(map(count.__getitem__, key_list))
         self._note_old(layer)
 
     def warm(self, keys: list[int]) -> None:

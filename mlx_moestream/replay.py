@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
@@ -17,6 +18,7 @@ import numpy as np
 
 from .cache import ExpertCache, split_slots
 from .policies import Belady, Future, Policy
+from .profiles import Profile
 from .stats import Stats
 from .trace import Trace
 
@@ -30,7 +32,7 @@ def replay(
     policy: PolicySpec,
     capacity: int | float,
     per_layer: bool | Sequence[float] = False,
-    seed_counts: dict[int, float] | None = None,
+    profile: Profile | None = None,
     window_tokens: int = 32,
 ) -> dict:
     """Replay `trace` with `policy` (a name, or a factory taking the capacity) and summarize.
@@ -38,9 +40,12 @@ def replay(
     `capacity`: an int number of (layer, expert) slots, or a float fraction in (0, 1] of all
     layers * num_experts of them. With `per_layer` false the slots form one pool shared by all
     layers; true splits them evenly (`split_slots`), and a sequence of weights (one per layer, e.g.
-    `trace.working_set()`) splits them by profile. `seed_counts` seeds the policy's frequencies.
+    `trace.working_set()`) splits them by profile. `profile` pre-warms the cache as
+    `load(profile=...)` does (`ExpertCache.prewarm_plan`: seeded counts, the hottest experts
+    resident before the first token, none pinned).
 
     Returns a JSON-ready dict: `hits`, `misses`, `hit_rate`, `evictions`, `capacity` (slots),
+    `accesses_per_second` (the replay's speed),
     `policy`, `lru_hit_rate` and `belady_hit_rate` (the same trace and capacity), and, when the
     trace has `segment_id`, `segments` (one per run of equal segment_id: `segment_id`,
     `start_token`, `tokens`, `hit_rate`, `steady_hit_rate`, `recovery_tokens`) and
@@ -55,7 +60,7 @@ def replay(
     """
     slots = capacity_slots(trace, capacity, per_layer)
     prepared = _Prepared(trace)
-    result = _summary(prepared, policy, slots, per_layer, seed_counts, window_tokens)
+    result = _summary(prepared, policy, slots, per_layer, profile, window_tokens)
     baselines = {name: result for name in ("lru", "belady") if result["policy"] == name}
     for name in ("lru", "belady"):
         if name not in baselines:
@@ -68,7 +73,7 @@ def sweep(
     policies: Sequence[PolicySpec],
     capacities: Sequence[int | float],
     per_layer: bool | Sequence[float] = False,
-    seed_counts: dict[int, float] | None = None,
+    profile: Profile | None = None,
     window_tokens: int = 32,
 ) -> list[dict]:
     """`replay` of every policy at every capacity; LRU and Belady run once per capacity."""
@@ -84,7 +89,7 @@ def sweep(
             if isinstance(policy, str) and policy in baselines:
                 result = baselines[policy]
             else:
-                result = _summary(prepared, policy, slots, per_layer, seed_counts, window_tokens)
+                result = _summary(prepared, policy, slots, per_layer, profile, window_tokens)
             results.append(_with_baselines(result, baselines))
     return results
 
@@ -117,6 +122,28 @@ def capacity_slots(trace: Trace, capacity: int | float, per_layer: bool | Sequen
             + (f"in each of {layers} layers ({need} slots)" if layers > 1 else "at one layer")
         )
     return slots
+
+
+def token_hits(trace: Trace, policy: PolicySpec, capacity: int | float,
+               profile: Profile | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Hits and accesses of each token of one replay over a shared pool (see `replay`)."""
+    prepared = _Prepared(trace)
+    _, hits, _ = _run(prepared, policy, capacity_slots(trace, capacity), False, profile)
+    return hits, prepared.accesses
+
+
+def trace_profile(trace: Trace, tokens: np.ndarray, workload: str) -> Profile:
+    """The profile a session that routed `tokens` (indices into `trace`, in order) would save."""
+    names = [f"layer{i}" for i in range(trace.layers)]
+    stats = Stats(names, trace.num_experts)
+    for t in np.asarray(tokens).tolist():
+        stats.tick(1)
+        for layer, ids in enumerate(trace.experts[t].tolist()):
+            stats.route(layer, np.array([i for i in ids if i >= 0], np.int64))
+    model = {"model_type": "trace", "moe_layers": trace.layers, "experts": trace.num_experts,
+             "top_k": trace.top_k, "fingerprint": "trace"}
+    return Profile(workload, model, stats.activations.copy(), stats.decayed.copy(),
+                   stats.tokens, stats.half_life_tokens, names)
 
 
 def plot_sweep(results: list[dict], path: str | Path) -> bool:
@@ -162,7 +189,7 @@ class _Prepared:
                              trace.layers * trace.num_experts)
 
 
-def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, seed_counts) -> tuple:
+def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile) -> tuple:
     """Replay once: (stats, hits per token, name of the policy)."""
     trace = prepared.trace
     layers, num_experts = trace.layers, trace.num_experts
@@ -175,8 +202,10 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, seed_co
         layer_slots = split_slots(slots, weights, trace.top_k, num_experts)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
     cache = ExpertCache(slots, list(range(layers)), num_experts, stats, policy, layer_slots)
-    if seed_counts:
-        cache.seed(seed_counts)
+    if profile is not None:
+        picks, _ = cache.prewarm_plan(profile, 1.0, 0.0, trace.top_k)
+        for layer, expert in picks:
+            cache.admit(layer, expert)
     hits = np.zeros(trace.tokens, np.int64)
     request, tick, requests, total_hits = cache.request, cache.tick, prepared.requests, stats.hits
     for t in range(trace.tokens):
@@ -188,9 +217,11 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, seed_co
     return stats, np.diff(hits, prepend=0), name
 
 
-def _summary(prepared: _Prepared, policy, slots, per_layer, seed_counts, window_tokens) -> dict:
+def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_tokens) -> dict:
     trace = prepared.trace
-    stats, hits, name = _run(prepared, policy, slots, per_layer, seed_counts)
+    start = time.perf_counter()
+    stats, hits, name = _run(prepared, policy, slots, per_layer, profile)
+    seconds = time.perf_counter() - start
     total = stats.as_dict()
     out = {
         "policy": name,
@@ -205,6 +236,7 @@ def _summary(prepared: _Prepared, policy, slots, per_layer, seed_counts, window_
         "misses": total["misses"],
         "evictions": total["evictions"],
         "hit_rate": total["hit_rate"],
+        "accesses_per_second": (total["hits"] + total["misses"]) / seconds,
     }
     if trace.segment_id is not None:
         out["segments"] = _segments(hits, prepared.accesses, trace.segment_id, window_tokens)

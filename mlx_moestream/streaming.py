@@ -39,10 +39,6 @@ from .stats import Stats, ratio
 from .store import ExpertStore, StoreError
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
-# A profile's hottest expert in a layer starts as if used this many times recently: enough to
-# outweigh one-off live misses, few enough that a wrong profile's experts lose to the live
-# workload's within a few dozen tokens.
-SEED_USES = 4.0
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk", "top_k")
 
 
@@ -557,14 +553,10 @@ class Runtime:
         profile.check_model(self.plan.identity)
         self.settle_deferred()
         picks, pins = [], []
-        for cache, group in zip(self.caches, self.plan.pools()):
-            limits = [cache.capacity(l) if l in group else 0 for l in range(self.plan.num_layers)]
-            hot = profile.hottest(int(cache.num_slots * share) - cache.resident, limits)
+        for cache in self.caches:
+            hot, pinned = cache.prewarm_plan(profile, share, pin_share, self.plan.top_k)
             picks += hot
-            pins += _pinnable(hot, int(cache.num_slots * pin_share), cache, self.plan.top_k)
-            seed = profile.seed_counts(SEED_USES)
-            cache.seed({int(cache.key_of[l, e]): float(seed[l, e])
-                        for l in group for e in np.flatnonzero(seed[l])})
+            pins += pinned
         picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
         start, nbytes, loaded = time.perf_counter(), 0, 0
         context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)
@@ -622,17 +614,6 @@ class Runtime:
             layer["warm"] = warm
             layer["pinned"] = pins
         return out
-
-
-def _pinnable(hot: list[tuple[int, int]], count: int, cache: ExpertCache, top_k: int) -> list:
-    """The first `count` of `hot` that still leave each partition room for top-k unpinned."""
-    pins, pinned = [], np.zeros(len(cache.slot_of), np.int64)
-    for layer, expert in hot[:count]:
-        used = pinned[layer] if cache.per_layer else pinned.sum()
-        if used + 1 <= cache.limit[layer] - top_k:
-            pinned[layer] += 1
-            pins.append((layer, expert))
-    return pins
 
 
 def _router(block: nn.Module, num_experts: int):

@@ -7,7 +7,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from mlx_moestream.replay import _segments, capacity_slots, plot_sweep, replay, sweep
+from mlx_moestream.replay import _segments, capacity_slots, plot_sweep, replay, sweep, trace_profile
 from mlx_moestream.trace import Trace, TraceError, TraceRecorder, synthetic_trace
 
 CAPACITIES = [0.1, 0.25, 0.5]
@@ -41,12 +41,14 @@ def test_wlfu_beats_lru_on_skewed_workloads_with_drift(sweeps, skew, repeat):
         assert result["hit_rate"] > result["lru_hit_rate"], result["capacity_fraction"]
 
 
-def test_seeding_wlfu_with_the_workload_profile_raises_early_hit_rate():
+@pytest.mark.parametrize("policy", ["wlfu", "cyclic"])
+def test_prewarming_with_the_workload_profile_raises_early_hit_rate(policy):
     early = synthetic_trace(256, 4, 128, 8, switch_at=None, seed=0)
-    profile = synthetic_trace(512, 4, 128, 8, switch_at=None, seed=0, sample_seed=1)
-    cold = replay(early, "wlfu", 0.25)
-    seeded = replay(early, "wlfu", 0.25, seed_counts=profile.expert_counts())
-    assert seeded["hit_rate"] > cold["hit_rate"]
+    recorded = synthetic_trace(512, 4, 128, 8, switch_at=None, seed=0, sample_seed=1)
+    profile = trace_profile(recorded, np.arange(recorded.tokens), "same workload")
+    cold = replay(early, policy, 0.25)
+    warm = replay(early, policy, 0.25, profile=profile)
+    assert warm["hit_rate"] > cold["hit_rate"]
 
 
 def test_replay_result_is_json_ready_with_baselines_and_segments():

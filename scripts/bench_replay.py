@@ -1,0 +1,146 @@
+"""Hit rates of every eviction policy on every routing trace in a folder. Prints JSON.
+
+Each trace is replayed at 10%, 25% and 50% of all (layer, expert) slots, with every online
+policy over one shared pool and split per layer (evenly; a split below one token's top-k in
+every layer is left out), and with Belady's offline optimum. For each trace and capacity:
+`best_other`, the best of LRU, LFU and SLRU (global or per layer), and `gap_closed` = (default -
+best_other) / (Belady - best_other), the share of the distance to the optimum that the default
+policy covers. `accesses_per_second` is each replay's speed.
+
+    python scripts/bench_replay.py ../shared/traces --markdown docs/caching-replay.md \
+        --plot docs/caching-replay.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+# Run from a plain checkout as well as from an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlx_moestream.files import atomic_write, atomic_write_text  # noqa: E402
+from mlx_moestream.policies import DEFAULT_POLICY  # noqa: E402
+from mlx_moestream.replay import capacity_slots, sweep  # noqa: E402
+from mlx_moestream.trace import Trace  # noqa: E402
+
+ONLINE = ["lru", "lfu", "slru", "wlfu", DEFAULT_POLICY]
+BASELINES = ["lru", "lfu", "slru"]  # what the default must beat, global or per layer
+CAPACITIES = [0.1, 0.25, 0.5]
+
+
+def bench_trace(trace: Trace, capacities: list[float]) -> list[dict]:
+    """One row per capacity: every policy's hit rate (`NAME` global, `NAME/layer` split),
+    Belady's, the best baseline and the share of the gap the default closes."""
+    rows = {c: {"capacity": c, "hit_rate": {}, "accesses_per_second": {}} for c in capacities}
+    for per_layer in (False, True):
+        fits = [c for c in capacities if _fits(trace, c, per_layer)]
+        for r in sweep(trace, ONLINE + ([] if per_layer else ["belady"]), fits, per_layer):
+            row = rows[fits[[round(f * trace.layers * trace.num_experts) for f in fits]
+                            .index(r["capacity"])]]
+            name = r["policy"] + ("/layer" if per_layer else "")
+            row["hit_rate"][name] = round(r["hit_rate"], 4)
+            row["accesses_per_second"][name] = round(r["accesses_per_second"])
+    for row in rows.values():
+        rates = row["hit_rate"]
+        best = max((n for n in rates if n.split("/")[0] in BASELINES), key=rates.get)
+        row["best_other"] = best
+        gap = rates["belady"] - rates[best]
+        row["gap_closed"] = round((rates[DEFAULT_POLICY] - rates[best]) / gap, 3) if gap else None
+        row["vs_best_other_points"] = round(100 * (rates[DEFAULT_POLICY] - rates[best]), 2)
+        row["vs_lru_points"] = round(100 * (rates[DEFAULT_POLICY] - rates["lru"]), 2)
+    return list(rows.values())
+
+
+def _fits(trace: Trace, capacity: float, per_layer: bool) -> bool:
+    try:
+        capacity_slots(trace, capacity, per_layer)
+    except ValueError:
+        return False
+    return True
+
+
+def markdown(results: dict[str, dict]) -> str:
+    """One table per trace; hit rates in percent, the default's column in bold."""
+    names = ONLINE + [f"{n}/layer" for n in ONLINE] + ["belady"]
+    out = []
+    for file, r in results.items():
+        out += [f"### {file}: {r['tokens']} tokens x {r['layers']} layers, {r['num_experts']} "
+                f"experts, top-{r['top_k']}", ""]
+        out.append("| capacity | " + " | ".join(
+            f"**{n}**" if n == DEFAULT_POLICY else n for n in names)
+            + " | best other | gap closed |")
+        out.append("|---" * (len(names) + 3) + "|")
+        for row in r["rows"]:
+            rates = row["hit_rate"]
+            cells = [f"{100 * rates[n]:.1f}" if n in rates else "-" for n in names]
+            cells[names.index(DEFAULT_POLICY)] = f"**{cells[names.index(DEFAULT_POLICY)]}**"
+            gap = "-" if row["gap_closed"] is None else f"{100 * row['gap_closed']:.0f}%"
+            out.append(f"| {round(100 * row['capacity'])}% | " + " | ".join(cells)
+                       + f" | {row['best_other']} | {gap} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(results: dict[str, dict], path: Path) -> bool:
+    """Hit rate against capacity, one panel per trace; False when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    fig = Figure(figsize=(5 * len(results), 4), dpi=110)
+    for i, (file, r) in enumerate(results.items()):
+        ax = fig.add_subplot(1, len(results), i + 1)
+        for name in ["lru", "lru/layer", "lfu", "slru/layer", DEFAULT_POLICY, "belady"]:
+            points = [(row["capacity"], row["hit_rate"][name]) for row in r["rows"]
+                      if name in row["hit_rate"]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name,
+                        linewidth=2.5 if name == DEFAULT_POLICY else 1.2)
+        ax.set_title(file, fontsize=9)
+        ax.set_xlabel("capacity (fraction of all experts)")
+        ax.set_ylabel("hit rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    return True
+
+
+@click.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                default=Path(__file__).resolve().parents[2] / "shared" / "traces")
+@click.option("--capacity", "capacities", type=float, multiple=True, default=CAPACITIES,
+              show_default=True, help="Fractions of all (layer, expert) slots (repeatable).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the tables as markdown here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write hit rate against capacity as a PNG here (needs matplotlib).")
+def main(folder: Path, capacities: tuple[float, ...], markdown_path: Path | None,
+         plot_path: Path | None) -> None:
+    results = {}
+    for path in sorted(folder.glob("*.npz")):
+        click.echo(f"replaying {path.name}", err=True)
+        trace = Trace.load(path)
+        results[path.name] = {"tokens": trace.tokens, "layers": trace.layers,
+                              "num_experts": trace.num_experts, "top_k": trace.top_k,
+                              "rows": bench_trace(trace, sorted(capacities))}
+    if not results:
+        raise click.ClickException(f"no .npz trace in {folder}")
+    rows = [row for r in results.values() for row in r["rows"]]
+    gaps = [row["gap_closed"] for row in rows if row["gap_closed"] is not None]
+    summary = {"default": DEFAULT_POLICY,
+               "mean_gap_closed": round(sum(gaps) / len(gaps), 3) if gaps else None,
+               "worst_vs_best_other_points": min(row["vs_best_other_points"] for row in rows)}
+    click.echo(json.dumps({"summary": summary, "traces": results}, indent=1))
+    if markdown_path:
+        atomic_write_text(markdown_path, markdown(results))
+    if plot_path and not plot(results, plot_path):
+        raise click.ClickException("--plot needs matplotlib (pip install matplotlib)")
+
+
+if __name__ == "__main__":
+    main()
