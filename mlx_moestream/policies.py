@@ -312,9 +312,9 @@ class LayerCyclic(Policy):
     latest call, since consecutive tokens share experts, and the others. Prefetched keys that
     no call has used yet go first, so a wrong prediction costs a read, not a useful expert.
 
-    Cost per call does not grow with the resident keys: a layer's older keys sit in a heap by
-    count (a count changes only at its layer's calls), and a victim is the best of one least
-    key per layer.
+    Cost per call does not grow with the resident keys: a layer's other keys sit in a heap by
+    count (a count changes only at its layer's calls; entries whose count changed since are
+    dropped when they surface), and a victim compares one least key per layer.
     """
 
     layered = True  # takes `num_experts`: a key's layer is `key // num_experts`
@@ -333,68 +333,123 @@ class LayerCyclic(Policy):
         self.distance = ((at[None, :] - at[:, None] - 1) % layers + 1).astype(np.float64)
         self.position = 0  # layer of the current call: the one after the latest accessed
         self.half_life = half_life
-        # count units: a use every token for long adds up to `1 / per_token`
+        # a use every token for long adds up to a count of `1 / per_token` (times `weight`)
         per_token = 1.0 - 0.5 ** (1.0 / half_life)
         self.group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
         self.count = np.zeros(num_keys)  # decayed uses, times `weight`
-        self._count = memoryview(self.count)
         self.weight = 1.0  # what one use adds now
-        self.rescaled = 0
+        self.rescaled = 0.0  # halvings already applied to `count`
         self.tokens = 0
-        # per key: 0 not resident, 1 prefetched, unused; 2 used at its layer's latest call; 3 older
-        self.group = np.zeros(num_keys, np.int8)
-        self._group = memoryview(self.group)
+        self.state = np.zeros(num_keys, np.int8)  # 0: not resident, 1: prefetched, unused, 2: used
+        self.unused: list[int] = []  # prefetched keys, in order
         self.latest: list[list[int]] = [[] for _ in range(layers)]  # keys of each layer's latest call
         self.old: list[list[tuple[float, int]]] = [[] for _ in range(layers)]  # heaps of (count, key)
-        self.unused: list[int] = []  # prefetched keys, in order
-        # the least count of each layer's group 2 and group 3 residents (inf: none)
-        self.least_latest = np.full(layers, np.inf)
-        self.least_old = np.full(layers, np.inf)
-        # uses and chances (keys at a call of their layer) of groups 2 and 3, in `weight` units
+        self.pending: list[list[list[int]]] = [[] for _ in range(layers)]  # earlier latest lists
+        # uses and chances (keys at a call of their layer) of the latest and the other keys
         self.uses = [1.0, 1.0]
         self.chances = [2.0, 2.0]
-        self._bonus()
+        # per layer: the least count among its latest keys (and which), the least in its heap,
+        # and the least value (count plus its group's rate as a count) among both
+        self.least_latest = np.full(layers, np.inf)
+        self.least_key = [-1] * layers
+        self.least_old = np.full(layers, np.inf)
+        self.value = np.full(layers, np.inf)
+        self._count, self._state = memoryview(self.count), memoryview(self.state)
+        self._least_latest, self._least_old = memoryview(self.least_latest), memoryview(self.least_old)
+        self._value = memoryview(self.value)
+        self._rates()
 
-    def _bonus(self) -> None:
-        """Each group's use rate, as counts to add for the blend of `p`."""
+    def _rates(self) -> None:
+        """Each group's use rate as counts (for the blend of `p`), and every layer's value."""
         scale = self.group_weight * self.weight
         self.bonus_latest = scale * (self.uses[0] / self.chances[0])
         self.bonus_old = scale * (self.uses[1] / self.chances[1])
+        np.minimum(self.least_latest + self.bonus_latest, self.least_old + self.bonus_old,
+                   out=self.value)
+        self._note(self.position)
+
+    def _note(self, layer: int) -> None:
+        """Update a layer's value; the current layer's latest keys that its call does not use
+        have just missed, so they count as old."""
+        latest = self.bonus_old if layer == self.position else self.bonus_latest
+        self._value[layer] = min(self._least_latest[layer] + latest,
+                                 self._least_old[layer] + self.bonus_old)
 
     def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         key_list = keys.tolist()
         layer = key_list[0] // self.experts
-        self.position = layer + 1 if layer + 1 < len(self.latest) else 0
-        group, count, weight = self._group, self._count, self.weight
+        state, count, weight = self._state, self._count, self.weight
         previous, current = self.latest[layer], set(key_list)
         reused = len(current.intersection(previous))
-        self.uses[0] += reused * weight
-        self.uses[1] += (len(key_list) - reused) * weight
-        self.chances[0] += len(previous) * weight
-        self.chances[1] += (self.experts - len(previous)) * weight
+        uses, chances = self.uses, self.chances
+        uses[0] += reused * weight
+        uses[1] += (len(key_list) - reused) * weight
+        chances[0] += len(previous) * weight
+        chances[1] += (self.experts - len(previous)) * weight
+        least, least_key = np.inf, -1
         for key in key_list:
-            count[key] += weight
-            group[key] = 2
-        heap = self.old[layer]
-        for key in previous:
-            if group[key] == 2 and key not in current:
-                group[key] = 3
-                heappush(heap, (count[key], key))
+            state[key] = 2
+            c = count[key] = count[key] + weight
+            if c < least:
+                least, least_key = c, key
+        # the previous keys not used now join the heap when it is next read; until then the
+        # heap's least count accounts for them
+        left = [count[key] for key in previous if key not in current and state[key] == 2]
+        if left:
+            self.pending[layer].append(previous)
+            least_left = min(left)
+            if least_left < self._least_old[layer]:
+                self._least_old[layer] = least_left
+            if len(self.pending[layer]) > 8:
+                self._join(layer)
         self.latest[layer] = key_list
-        self.least_latest[layer] = min(map(count.__getitem__, key_list))
-        self._note_old(layer)
+        self._least_latest[layer], self.least_key[layer] = least, least_key
+        following = self.position = layer + 1 if layer + 1 < len(self.latest) else 0
+        self._note(layer)
+        self._note(following)
+
+    def _join(self, layer: int) -> None:
+        """Push the keys that left the layer's latest since the last join onto its heap."""
+        latest, state, count, heap = set(self.latest[layer]), self._state, self._count, self.old[layer]
+        for key in set().union(*self.pending[layer]).difference(latest):
+            if state[key] == 2:
+                heappush(heap, (count[key], key))
+        self.pending[layer] = []
+        if len(heap) > 2 * self.experts:  # mostly stale entries: keep only the live ones
+            heap[:] = [(v, k) for v, k in heap if state[k] == 2 and count[k] == v]
+            heapify(heap)
+        self._surface(layer)
+
+    def _surface(self, layer: int) -> None:
+        """Drop stale entries (keys used or gone since) from the top of a layer's heap."""
+        heap, state, count = self.old[layer], self._state, self._count
+        while heap:
+            value, key = heap[0]
+            if state[key] == 2 and count[key] == value:
+                self._least_old[layer] = value
+                return
+            heappop(heap)
+        self._least_old[layer] = np.inf
+
+    def _latest_changed(self, layer: int) -> None:
+        state, count = self._state, self._count
+        least, least_key = np.inf, -1
+        for key in self.latest[layer]:
+            if state[key] == 2 and count[key] < least:
+                least, least_key = count[key], key
+        self._least_latest[layer], self.least_key[layer] = least, least_key
 
     def warm(self, keys: list[int]) -> None:
-        group, count = self._group, self._count
         for key in keys:
-            group[key] = 3
-            heappush(self.old[key // self.experts], (count[key], key))
+            self._state[key] = 2
+            heappush(self.old[key // self.experts], (self._count[key], key))
         for layer in {key // self.experts for key in keys}:
-            self._note_old(layer)
+            self._surface(layer)
+            self._note(layer)
 
     def insert(self, keys: list[int]) -> None:
         for key in keys:
-            self._group[key] = 1
+            self._state[key] = 1
         self.unused += keys
 
     def remove(self, key: int) -> None:
@@ -403,87 +458,77 @@ class LayerCyclic(Policy):
     def victims(self, n: int, protected: set[int]) -> list[int]:
         chosen = []
         if self.unused:
-            group, keep = self._group, []
+            state, keep = self._state, []
             for key in self.unused:
-                if group[key] != 1:
+                if state[key] != 1:
                     continue  # used or gone since
                 if len(chosen) < n and key not in protected:
-                    group[key] = 0
+                    state[key] = 0
                     chosen.append(key)
                 else:
                     keep.append(key)
             self.unused = keep
         if len(chosen) < n:
-            value = np.minimum(self.least_latest + self.bonus_latest,
-                               self.least_old + self.bonus_old)
-            score = self.distance[self.position] / value
-            here = self.position  # its latest keys that the call does not use just missed
-            score[here] = self.distance[here, here] / self._least(here, protected)[1]
+            distance = self.distance[self.position]
+            score = distance / self.value  # at most the true score of each layer
             while len(chosen) < n:
-                chosen.append(self._victim(score, protected))
+                layer = int(score.argmax())
+                best = score[layer]
+                if best <= 0:
+                    raise _all_in_use()
+                key, value = self._least(layer, protected)
+                fresh = distance[layer] / value
+                if fresh < best:  # its least keys are in use or left: rank the layer again
+                    score[layer] = fresh
+                    continue
+                self._forget(key)
+                score[layer] = distance[layer] / self._value[layer]
+                chosen.append(key)
         return chosen
 
-    def _victim(self, score: np.ndarray, protected: set[int]) -> int:
-        """The key of the layer of highest `score` (uses per slot held, inverted), checked
-        against the keys in use and updated as victims leave."""
-        distance = self.distance[self.position]
-        while True:
-            layer = int(score.argmax())
-            if score[layer] <= 0:
-                raise _all_in_use()
-            key, value = self._least(layer, protected)
-            fresh = distance[layer] / value
-            if fresh < score[layer]:  # its least keys are in use: rank the layer again
-                score[layer] = fresh
-                continue
-            self._forget(key)
-            score[layer] = distance[layer] / self._least(layer, protected)[1]
-            return key
-
     def _least(self, layer: int, protected: set[int]) -> tuple[int, float]:
-        """The layer's evictable key of least count plus group bonus: (-1, inf) if none."""
-        group, count = self._group, self._count
-        best, least = -1, np.inf
-        for key in self.latest[layer]:
-            if group[key] == 2 and key not in protected and count[key] < least:
-                best, least = key, count[key]
+        """The layer's evictable key of least value: (-1, inf) if none."""
+        if self.pending[layer]:
+            self._join(layer)
+        key = self.least_key[layer]
+        if key in protected:  # only the current call's keys are: find its least other
+            state, count = self._state, self._count
+            key, least = -1, np.inf
+            for k in self.latest[layer]:
+                if state[k] == 2 and k not in protected and count[k] < least:
+                    key, least = k, count[k]
+        else:
+            least = self._least_latest[layer]
         least += self.bonus_old if layer == self.position else self.bonus_latest
         heap, aside = self.old[layer], []
         while heap:
-            value, key = heap[0]
-            if group[key] != 3 or count[key] != value:
-                heappop(heap)  # stale: the key was used or left since
-            elif key in protected:
+            value, k = heap[0]
+            if k in protected:
                 aside.append(heappop(heap))
+            elif self._state[k] != 2 or self._count[k] != value:
+                heappop(heap)  # stale: the key was used or left since
             else:
                 if value + self.bonus_old < least:
-                    best, least = key, value + self.bonus_old
+                    key, least = k, value + self.bonus_old
                 break
         for entry in aside:
             heappush(heap, entry)
-        return best, least
+        return key, least
 
     def _forget(self, key: int) -> None:
         """`key` leaves: update its layer's least counts."""
-        layer, group = key // self.experts, self._group[key]
-        self._group[key] = 0
-        if group == 2:
-            group_of, count = self._group, self._count
-            self.least_latest[layer] = min(
-                (count[k] for k in self.latest[layer] if group_of[k] == 2), default=np.inf)
-        elif group == 3:
-            self._note_old(layer)
-
-    def _note_old(self, layer: int) -> None:
-        """Drop stale entries from the top of a layer's heap; note its least count."""
-        heap, group, count = self.old[layer], self._group, self._count
-        while heap:
-            value, key = heap[0]
-            if group[key] == 3 and count[key] == value:
-                self.least_old[layer] = value
-                return
-            heappop(heap)
-        self.least_old[layer] = np.inf
+        layer = key // self.experts
+        was = self._state[key]
+        self._state[key] = 0
+        if was != 2:
+            return
+        if key == self.least_key[layer] or key in self.latest[layer]:
+            self._latest_changed(layer)
+        elif self.pending[layer]:
+            self._join(layer)
+        else:
+            self._surface(layer)
+        self._note(layer)
 
     def tick(self, tokens: int) -> None:
         self.tokens += tokens
@@ -493,25 +538,26 @@ class LayerCyclic(Policy):
             self.rescaled += halvings
             halvings = 0.0
         self.weight = 2.0**halvings
-        self._bonus()
+        self._rates()
 
     def seed(self, counts: dict[int, float]) -> None:
         _add_counts(self.count, counts, self.weight)
         self._rescale(1.0)
 
     def _rescale(self, factor: float) -> None:
-        """Multiply every count by `factor` and rebuild the orders that hold counts."""
+        """Multiply every count by `factor` and rebuild what holds counts."""
         self.count *= factor
         self.uses = [u * factor for u in self.uses]
         self.chances = [c * factor for c in self.chances]
         for layer, heap in enumerate(self.old):
-            keys = [key for _, key in heap if self._group[key] == 3]
-            heap[:] = [(self.count[key], key) for key in dict.fromkeys(keys)]
+            self._join(layer)
+            latest = set(self.latest[layer])
+            keys = {key for _, key in heap if self._state[key] == 2 and key not in latest}
+            heap[:] = [(self._count[key], key) for key in keys]
             heapify(heap)
-            self._note_old(layer)
-            self.least_latest[layer] = min(
-                (self.count[k] for k in self.latest[layer] if self._group[k] == 2),
-                default=np.inf)
+            self._surface(layer)
+            self._latest_changed(layer)
+        self._rates()
 
 
 class SLRU(Policy):
