@@ -7,8 +7,8 @@ every layer is left out), and with Belady's offline optimum. For each trace and 
 best_other) / (Belady - best_other), the share of the distance to the optimum that the default
 policy covers. `accesses_per_second` is each replay's speed.
 
-    python scripts/bench_replay.py ../shared/traces --markdown docs/caching-replay.md \
-        --plot docs/caching-replay.png
+    python scripts/bench_replay.py ../shared/traces --markdown tables.md \
+        --plot docs/caching.png
 """
 
 from __future__ import annotations
