@@ -12,6 +12,7 @@ import pytest
 
 import mlx_moestream
 from mlx_moestream.profiles import Profile, ProfileError
+from mlx_moestream.replay import token_hits
 from mlx_moestream.trace import Trace
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 3
@@ -238,3 +239,21 @@ def test_per_layer_split_follows_the_profile_and_stays_exact(tiny_model, tmp_pat
     limits = model.moestream.caches[0].limit
     assert sum(limits.values()) == 8 and min(limits.values()) >= 2
     assert mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16) == text
+
+
+def test_replay_prewarms_the_experts_that_load_prewarms(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    first, _ = _session(path, budget="25%")
+    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    model, _ = mlx_moestream.load(path, budget="25%", profile=profile_path)
+    slot_of = model.moestream.caches[0].slot_of
+    # one token routed to exactly the experts that load() pre-warmed
+    experts = np.full((1, 2, 4), -1, np.int16)
+    for layer in range(2):
+        warm = np.flatnonzero(slot_of[layer] >= 0)
+        experts[0, layer, : len(warm)] = warm
+    trace = Trace(experts, 8)
+    slots = int((slot_of >= 0).sum())
+    hits, accesses = token_hits(trace, "cyclic", 4, Profile.load(profile_path))
+    assert slots == 4 and hits[0] == accesses[0] == slots
+    assert token_hits(trace, "cyclic", 4)[0][0] == 0
