@@ -301,6 +301,104 @@ def test_slru_breaks_ties_among_keys_entering_in_one_token_by_frequency():
     assert _victim(policy, set()) == 5
 
 
+class SlowCyclic:
+    """`LayerCyclic`'s rule, by brute force over every resident key: the victim is a key of
+    least value / distance, value = decayed count + its group's learned use rate as a count."""
+
+    def __init__(self, layers, experts, half_life=64, freq_share=0.5):
+        self.layers, self.experts, self.half_life = layers, experts, half_life
+        self.scale = (1 - freq_share) / freq_share / (1 - 0.5 ** (1 / half_life))
+        self.count, self.tokens, self.position = {}, 0, 0
+        self.latest = {layer: [] for layer in range(layers)}
+        self.resident, self.uses, self.chances = set(), [1.0, 1.0], [2.0, 2.0]
+
+    def weight(self):
+        return 2.0 ** (self.tokens / self.half_life)
+
+    def access(self, keys):
+        layer, w = keys[0] // self.experts, self.weight()
+        previous = self.latest[layer]
+        reused = len(set(keys) & set(previous))
+        self.uses = [self.uses[0] + reused * w, self.uses[1] + (len(keys) - reused) * w]
+        self.chances = [self.chances[0] + len(previous) * w,
+                        self.chances[1] + (self.experts - len(previous)) * w]
+        for key in keys:
+            self.count[key] = self.count.get(key, 0.0) + w
+        self.resident |= set(keys)
+        self.latest[layer] = list(keys)
+        self.position = (layer + 1) % self.layers
+
+    def score(self, key):
+        layer = key // self.experts
+        latest = key in self.latest[layer] and layer != self.position
+        rate = self.uses[0] / self.chances[0] if latest else self.uses[1] / self.chances[1]
+        value = self.count[key] + self.scale * self.weight() * rate
+        return ((layer - self.position - 1) % self.layers + 1) / value  # calls until its next
+
+    def best(self, protected):
+        return max(self.score(k) for k in self.resident if k not in protected)
+
+
+@pytest.mark.parametrize("slots", [10, 24, 48])
+def test_cyclic_evicts_a_key_of_least_use_probability_per_layer_call_held(slots):
+    layers, experts = 6, 16
+    trace = synthetic_trace(150, layers, experts, 4, repeat=0.4, seed=5)
+    fast = make_policy("cyclic", slots, layers * experts, num_experts=experts)
+    slow = SlowCyclic(layers, experts)
+    resident, checked = set(), 0
+    for t in range(trace.tokens):
+        fast.tick(1)
+        slow.tokens += 1
+        for layer in range(layers):
+            keys = sorted({layer * experts + int(e) for e in trace.experts[t, layer]})
+            new = [k for k in keys if k not in resident]
+            free = slots - len(resident)
+            if len(new) > free:
+                for victim in fast.victims(len(new) - free, set(keys)):
+                    assert slow.score(victim) == pytest.approx(slow.best(set(keys)), rel=1e-9)
+                    resident.discard(victim)
+                    slow.resident.discard(victim)
+                    checked += 1
+            resident |= set(new)
+            fast.access(np.array(keys), new)
+            slow.access(keys)
+    assert checked > 100
+
+
+def test_cyclic_below_one_token_of_experts_keeps_what_the_next_layers_use():
+    """Three layers, one expert each per token, two slots: LRU evicts each expert before its
+    layer comes round again; cyclic gives up the layer just served, as the optimum does."""
+    result = replay(Trace(np.zeros((40, 3, 1), np.int16), 4), "cyclic", 2)
+    assert result["lru_hit_rate"] == 0.0
+    assert result["hit_rate"] == result["belady_hit_rate"]
+
+
+def test_cyclic_lets_a_formerly_hot_expert_go_once_it_decays():
+    cache = _cache(2, layers=1, policy="cyclic:half_life=4")
+    for _ in range(8):
+        cache.tick(1)
+        _request(cache, 0, [0])
+    for _ in range(40):  # expert 1 is used every other token from now on; 0 never again
+        cache.tick(1)
+        _request(cache, 0, [1])
+        cache.tick(1)
+        _request(cache, 0, [2])
+    cache.tick(1)
+    _request(cache, 0, [3])
+    assert (0, 0) not in _resident(cache)
+
+
+def test_cyclic_evicts_an_unused_prefetched_expert_first():
+    cache = _cache(3, layers=1, policy="cyclic")
+    for expert in (0, 1):
+        cache.tick(1)
+        _request(cache, 0, [expert])
+    cache.prefetch(0, np.array([2]), set())
+    cache.tick(1)
+    _request(cache, 0, [3])
+    assert _resident(cache) == {(0, 0), (0, 1), (0, 3)}
+
+
 def test_belady_evicts_the_key_used_farthest_in_the_future():
     future = np.array([0, 1, 2, 1, 0])
     policy = Belady(2, 4, future)
