@@ -309,8 +309,9 @@ class LayerCyclic(Policy):
     counts 1, counts halve every `half_life` tokens, so the cache follows a workload that shifts
     and a wrong profile's seeded counts fade) and the rate at which keys of its group are used
     at their layer's next call, learned online (decayed alike): the keys used at their layer's
-    latest call, since consecutive tokens share experts, and the others. Prefetched keys that
-    no call has used yet go first, so a wrong prediction costs a read, not a useful expert.
+    latest call, since consecutive tokens share experts, and the others (read once a token).
+    Prefetched keys that no call has used yet go first, so a wrong prediction costs a read, not
+    a useful expert.
 
     Cost per call does not grow with the resident keys: a layer's other keys sit in a heap by
     count (a count changes only at its layer's calls; entries whose count changed since are
@@ -394,6 +395,7 @@ class LayerCyclic(Policy):
                 least, least_key = c, key
         # the previous keys not used now join the heap when it is next read; until then the
         # heap's least count accounts for them
+        self.latest[layer] = key_list
         left = [count[key] for key in previous if key not in current and state[key] == 2]
         if left:
             self.pending[layer].append(previous)
@@ -402,14 +404,14 @@ class LayerCyclic(Policy):
                 self._least_old[layer] = least_left
             if len(self.pending[layer]) > 8:
                 self._join(layer)
-        self.latest[layer] = key_list
         self._least_latest[layer], self.least_key[layer] = least, least_key
         following = self.position = layer + 1 if layer + 1 < len(self.latest) else 0
         self._note(layer)
         self._note(following)
 
     def _join(self, layer: int) -> None:
-        """Push the keys that left the layer's latest since the last join onto its heap."""
+        """Push the keys that left the layer's latest since the last join onto its heap, and
+        note the least count there (`_surface`)."""
         latest, state, count, heap = set(self.latest[layer]), self._state, self._count, self.old[layer]
         for key in set().union(*self.pending[layer]).difference(latest):
             if state[key] == 2:
@@ -444,7 +446,7 @@ class LayerCyclic(Policy):
             self._state[key] = 2
             heappush(self.old[key // self.experts], (self._count[key], key))
         for layer in {key // self.experts for key in keys}:
-            self._surface(layer)
+            self._join(layer)
             self._note(layer)
 
     def insert(self, keys: list[int]) -> None:
@@ -524,10 +526,8 @@ class LayerCyclic(Policy):
             return
         if key == self.least_key[layer] or key in self.latest[layer]:
             self._latest_changed(layer)
-        elif self.pending[layer]:
-            self._join(layer)
         else:
-            self._surface(layer)
+            self._join(layer)
         self._note(layer)
 
     def tick(self, tokens: int) -> None:
@@ -550,10 +550,10 @@ class LayerCyclic(Policy):
         self.uses = [u * factor for u in self.uses]
         self.chances = [c * factor for c in self.chances]
         for layer, heap in enumerate(self.old):
-            self._join(layer)
             latest = set(self.latest[layer])
-            keys = {key for _, key in heap if self._state[key] == 2 and key not in latest}
-            heap[:] = [(self._count[key], key) for key in keys]
+            keys = {key for _, key in heap}.union(*self.pending[layer]).difference(latest)
+            self.pending[layer] = []
+            heap[:] = [(self._count[key], key) for key in keys if self._state[key] == 2]
             heapify(heap)
             self._surface(layer)
             self._latest_changed(layer)
