@@ -33,6 +33,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .budget import BudgetError, format_bytes
 from .cache import ExpertCache, split_slots
+from .interrupts import CRITICAL, install_handler
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
 from .stats import Stats, ratio
@@ -320,6 +321,7 @@ class Runtime:
             for l in plan.layers
         ]
         store.open()  # before any reader thread
+        install_handler()  # Ctrl-C waits for a step in progress (see interrupts)
         self.pools: list[SlotPool] = []
         self.caches: list[ExpertCache] = []
         self.pool_of: list[int] = [0] * plan.num_layers
@@ -374,6 +376,10 @@ class Runtime:
 
     def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
         """Slots for routed `ids`, loading misses; None when the call needs more than fit."""
+        with CRITICAL:
+            return self._route(layer, ids)
+
+    def _route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
         if self.inflight:
             self._settle(layer)
         if layer == 0:
@@ -435,9 +441,10 @@ class Runtime:
     def request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`)."""
         cache = self.caches[self.pool_of[layer]]
-        loads = cache.request(layer, experts)
-        if loads:
-            self._load(layer, cache, loads)
+        with CRITICAL:
+            loads = cache.request(layer, experts)
+            if loads:
+                self._load(layer, cache, loads)
         return cache.slot_of[layer][ids]
 
     def _read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
@@ -489,9 +496,10 @@ class Runtime:
         self.predicted_misses[nxt] = set(predicted[cache.slot_of[nxt][predicted] < 0].tolist())
         if len(predicted) + len(self._current) > cache.capacity(nxt) or not self._pays(nxt):
             return
-        loads = cache.prefetch(nxt, predicted, self._current)
-        self.prefetched[nxt] = {e for e, _ in loads}
-        self.inflight += [(nxt, e, self.io.submit(self._read, nxt, e, s)) for e, s in loads]
+        with CRITICAL:
+            loads = cache.prefetch(nxt, predicted, self._current)
+            self.prefetched[nxt] = {e for e, _ in loads}
+            self.inflight += [(nxt, e, self.io.submit(self._read, nxt, e, s)) for e, s in loads]
 
     def _pays(self, layer: int) -> bool:
         """Whether reading `layer`'s predicted misses ahead is right often enough: a wrong read
@@ -563,15 +571,16 @@ class Runtime:
         with context as items:
             for layer, expert in items:
                 cache = self.caches[self.pool_of[layer]]
-                slot = cache.admit(layer, expert)
-                if slot is None:
-                    continue
-                try:
-                    nbytes += self.store.read_expert(self.store_layer[layer], expert,
-                                                     self.pools[self.pool_of[layer]].slot(slot))
-                except StoreError:
-                    cache.discard(layer, expert)
-                    raise
+                with CRITICAL:
+                    slot = cache.admit(layer, expert)
+                    if slot is None:
+                        continue
+                    try:
+                        nbytes += self.store.read_expert(
+                            self.store_layer[layer], expert, self.pools[self.pool_of[layer]].slot(slot))
+                    except StoreError:
+                        cache.discard(layer, expert)
+                        raise
                 self.warm[layer] += 1
                 loaded += 1
         for layer, expert in pins:

@@ -1,0 +1,72 @@
+"""Ctrl-C at any point of a generation leaves the model exact: later generations equal stock."""
+
+import _thread
+import itertools
+import signal
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_streaming import greedy_logits
+
+import mlx_moestream
+
+
+def _interrupted(model, delay: float) -> bool:
+    """Run a generation with a SIGINT (what Ctrl-C sends) `delay` seconds in; whether it hit."""
+    timer = threading.Timer(delay, _thread.interrupt_main)
+    timer.start()
+    try:
+        greedy_logits(model, decode_tokens=8)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        timer.cancel()
+    try:  # the timer fired just after the generation: let its interrupt land here
+        time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+    return False
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_generations_after_interrupts_at_random_points_equal_stock(tiny_model, reference,
+                                                                   prefetch):
+    path = tiny_model("qwen3_moe", bits=4)
+    expected = reference(path)
+    model, _ = mlx_moestream.load(path, budget="25%", prefetch=prefetch)
+    start = time.perf_counter()
+    greedy_logits(model, decode_tokens=8)
+    span = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(40):
+        hits += _interrupted(model, rng.uniform(0, span))
+        assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
+    assert hits >= 20
+
+
+@pytest.mark.parametrize("step", ["read", "policy update"])
+def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, monkeypatch, step):
+    """SIGINT raised while an expert is read into its slot, or while the policy learns of the
+    call's misses: it is delivered, and the next generation is still exact."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    runtime = model.moestream
+    owner, name = ((runtime.store, "read_expert") if step == "read"
+                   else (runtime.caches[0].policies[0], "access"))
+    original, calls = getattr(owner, name), itertools.count()
+
+    def interrupting(*args):
+        if next(calls) == 8:
+            signal.raise_signal(signal.SIGINT)
+        return original(*args)
+
+    monkeypatch.setattr(owner, name, interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        greedy_logits(model, decode_tokens=8)
+    monkeypatch.undo()
+    assert all(mx.array_equal(a, b).item()
+               for a, b in zip(greedy_logits(model), reference(path)))
