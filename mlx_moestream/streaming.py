@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import mmap
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -233,18 +234,21 @@ class StreamingExperts(nn.Module):
             slot_map = runtime.slot_maps[self.layer]
             valid = mx.minimum(indices.astype(mx.uint32), slot_map.size - 1)
             return self.inner(x, slot_map[valid])
-        ids = np.array(indices)  # host sync: the routing decides what must be read
-        runtime.stats.syncs += 1
-        slots = runtime.route(self.layer, ids)
-        if slots is None:
-            return self._rounds(x, ids)
-        y = self.inner(x, mx.array(slots))
-        if runtime.prefetch:
-            runtime.prefetch_next(self.layer, x)
-        if runtime.reuses_slots:
-            mx.eval(y)  # see the module docstring: no pending reads of a slot
+        # One thread's call at a time, computed before the next may reuse its slots: threads
+        # sharing the model interleave whole layer calls.
+        with runtime.lock:
+            ids = np.array(indices)  # host sync: the routing decides what must be read
             runtime.stats.syncs += 1
-        return y
+            slots = runtime.route(self.layer, ids)
+            if slots is None:
+                return self._rounds(x, ids)
+            y = self.inner(x, mx.array(slots))
+            if runtime.prefetch:
+                runtime.prefetch_next(self.layer, x)
+            if runtime.reuses_slots:
+                mx.eval(y)  # see the module docstring: no pending reads of a slot
+                runtime.stats.syncs += 1
+            return y
 
     def _rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
         """More distinct experts than the layer may hold: compute them a slot-pool at a time."""
@@ -304,6 +308,7 @@ class Runtime:
         self.policy = policy
         self.recorder = None  # a trace.TraceRecorder while recording routing
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
+        self.lock = threading.RLock()  # one thread's layer call at a time
         self.routers: list = [None] * plan.num_layers  # each layer's router, set by attach()
         self.inflight: list[tuple[int, int, Future]] = []  # (layer, expert, read) of prefetches
         self.predicted: dict[int, np.ndarray] = {}  # layer -> experts predicted for its next call
@@ -343,7 +348,9 @@ class Runtime:
                 self.pool_of[i] = len(self.pools) - 1
         self.reuses_slots = not all(cache.holds_all for cache in self.caches)
         self.slot_maps: list[mx.array] = []  # per layer, once every expert is resident for good
-        self.deferred: list[tuple[int, mx.array]] = []  # (layer, ids) of calls still to count
+        # per thread, (layer, ids) of its calls still to count: only the thread that built them
+        # can evaluate them (mlx streams are per thread), or any once it has ended
+        self.deferred: dict[threading.Thread, list[tuple[int, mx.array]]] = {}
         # With a slot for every expert, each expert misses once per session: a prediction's host
         # sync on every token would cost more than reading ahead saves.
         self.prefetch = prefetch and self.reuses_slots
@@ -425,18 +432,25 @@ class Runtime:
             self.slot_maps.append(mx.array(np.append(row, row[0])))
 
     def defer(self, layer: int, indices: mx.array) -> None:
-        self.deferred.append((layer, indices))
-        if len(self.deferred) > 3 * self.plan.num_layers:
+        calls = self.deferred.setdefault(threading.current_thread(), [])
+        calls.append((layer, indices))
+        if len(calls) > 3 * self.plan.num_layers:
             self.settle_deferred(keep=2 * self.plan.num_layers)
 
     def settle_deferred(self, keep: int = 0) -> None:
-        """Count the routing of deferred calls (all but the last `keep`), in call order."""
+        """Count the routing of this thread's deferred calls (whole forward calls, all but the
+        last `keep` layer calls) and of threads that have ended, in call order."""
         if not self.slot_maps:
             return
-        cut = len(self.deferred) - keep
-        done, self.deferred = self.deferred[:cut], self.deferred[cut:]
-        for layer, indices in done:
-            self.route(layer, np.array(indices))
+        layers, me = self.plan.num_layers, threading.current_thread()
+        with self.lock:
+            for thread in [t for t in self.deferred if t is me or not t.is_alive()]:
+                calls = self.deferred.pop(thread)
+                cut = (len(calls) - keep) // layers * layers if thread is me else len(calls)
+                if cut < len(calls) and thread is me:
+                    self.deferred[thread] = calls[cut:]
+                for layer, indices in calls[:cut]:
+                    self.route(layer, np.array(indices))
 
     def request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`)."""

@@ -1,0 +1,37 @@
+"""Two threads generating on one model each get stock mlx-lm's output, and so does later use."""
+
+import threading
+
+import mlx.core as mx
+import pytest
+from test_streaming import greedy_logits
+
+import mlx_moestream
+
+
+@pytest.mark.parametrize("budget, prefetch", [("25%", False), ("25%", True), ("100%", False)])
+def test_two_threads_generating_on_one_model_both_match_stock(tiny_model, reference, budget,
+                                                               prefetch):
+    path = tiny_model("qwen3_moe", bits=4)
+    expected = reference(path)
+    model, _ = mlx_moestream.load(path, budget=budget, prefetch=prefetch)
+    results, errors = {}, []
+
+    def generate(name):
+        try:
+            results[name] = [greedy_logits(model, decode_tokens=16) for _ in range(2)]
+        except Exception as e:  # reported below, with the thread's name
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=generate, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for runs in results.values():
+        for logits in runs:
+            assert all(mx.array_equal(a, b).item() for a, b in zip(logits, expected))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
+    # every token of every generation is counted: 2 threads x 2 runs x (64 + 16), then 64 + 32
+    assert mlx_moestream.stats(model)["tokens"] == 4 * 80 + 96
