@@ -1,7 +1,19 @@
-"""Run Mixture-of-Experts models whose experts exceed memory: experts stream from disk under a budget."""
+"""Run Mixture-of-Experts models whose experts exceed memory: experts stream from disk under a budget.
 
-from .loader import (load, prewarm, profile, run_text, save_profile, save_trace, start_trace,
-                     stats)
+The API below imports mlx and mlx-lm on first use, so the backend-neutral modules (cache,
+policies, profiles, trace, replay, store) and the CLI's help import without them.
+"""
 
+from importlib.metadata import version
+
+__version__ = version("mlx-moestream")
 __all__ = ["load", "prewarm", "profile", "run_text", "save_profile", "save_trace", "start_trace",
            "stats"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'mlx_moestream' has no attribute {name!r}")

@@ -40,6 +40,7 @@ model_option = click.option(
 
 
 @click.group()
+@click.version_option(package_name="mlx-moestream", prog_name="mlx-moestream")
 def main() -> None:
     """Run Mixture-of-Experts models whose experts exceed memory."""
 

@@ -57,3 +57,21 @@ def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
                           input="hello\nagain\n\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("4 generated") == 2
+
+
+def test_help_and_version_start_without_importing_mlx():
+    code = ("import sys; from click.testing import CliRunner; from mlx_moestream.cli import main; "
+            "runner = CliRunner(); assert runner.invoke(main, ['--help']).exit_code == 0; "
+            "print(runner.invoke(main, ['--version']).output); "
+            "assert 'mlx' not in sys.modules and 'mlx_lm' not in sys.modules, 'imported mlx'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "mlx-moestream, version" in out.stdout
+
+
+def test_the_backend_neutral_core_imports_without_mlx():
+    code = ("import sys; sys.modules['mlx'] = sys.modules['mlx_lm'] = None; "
+            "import mlx_moestream.cache, mlx_moestream.policies, mlx_moestream.profiles, "
+            "mlx_moestream.replay, mlx_moestream.store, mlx_moestream.trace")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
