@@ -6,9 +6,18 @@ policies, profiles, trace, replay, store) and the CLI's help import without them
 
 from importlib.metadata import version
 
+from . import stats as _stats_module  # noqa: F401  first: a later import would rebind `stats`
+
 __version__ = version("mlx-moestream")
 __all__ = ["load", "prewarm", "profile", "run_text", "save_profile", "save_trace", "start_trace",
            "stats"]
+
+
+def stats(model) -> dict:
+    """The session's cache and read statistics (see `loader.stats`)."""
+    from .loader import stats as of_model
+
+    return of_model(model)
 
 
 def __getattr__(name: str):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from fractions import Fraction
 
 UNITS = {
     "": 1, "b": 1,
@@ -19,12 +21,16 @@ class BudgetError(ValueError):
     """A budget that cannot be parsed or is too small to run the model."""
 
 
+NUMBER = r"\s*([0-9]*\.?[0-9]+)\s*"  # plain decimals: no sign, exponent, nan or inf
+
+
 def parse_size(text: str) -> int:
-    """`8GB` -> 8e9 bytes, `512MiB` -> 512 * 2**20 bytes, `4096` -> 4096 bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    """`8GB` -> 8e9 bytes, `512MiB` -> 512 * 2**20 bytes, `4096` -> 4096 bytes. Exact for any
+    number of digits (no float rounding or overflow)."""
+    m = re.fullmatch(NUMBER + r"([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS:
         raise BudgetError(f"cannot parse size '{text}' (use e.g. 8GB, 512MiB, 35%, auto)")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    return int(Fraction(m.group(1)) * UNITS[m.group(2).lower()])
 
 
 def available_memory_bytes() -> int:
@@ -55,14 +61,19 @@ def resolve_budget(
     if spec is None:
         return expert_bytes
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        if not math.isfinite(spec):
+            raise BudgetError(f"budget must be a finite number of bytes, got {spec!r}")
         budget = int(spec)
     elif isinstance(spec, str) and spec.strip().lower() == "auto":
         budget = auto_budget(expert_bytes, dense_bytes, memory_bytes or available_memory_bytes())
     elif isinstance(spec, str) and spec.strip().endswith("%"):
-        try:
-            share = float(spec.strip()[:-1]) / 100
-        except ValueError:
-            raise BudgetError(f"cannot parse budget '{spec}'") from None
+        m = re.fullmatch(NUMBER + "%", spec.strip())
+        if not m:
+            raise BudgetError(f"cannot parse budget '{spec}' (a percentage is like 35%)")
+        share = Fraction(m.group(1)) / 100
+        if not 0 < share <= 1:
+            raise BudgetError(f"a percentage budget is a share of all expert bytes, in (0%, "
+                              f"100%]: got '{spec.strip()}'")
         budget = int(expert_bytes * share)
     elif isinstance(spec, str):
         budget = parse_size(spec)

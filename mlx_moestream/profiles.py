@@ -138,13 +138,15 @@ def user_dir() -> Path:
 def search_dirs() -> list[Path]:
     """Where NAME is looked up: ./profiles, the user directory, the profiles shipped with the package.
 
-    The repo's profiles/ folder is installed as `mlx_moestream.bundled_profiles`; running from a
-    checkout it is ./profiles already.
+    The repo's profiles/ folder is installed as `mlx_moestream.bundled_profiles`; an editable
+    install (`pip install -e .`) has no such package, and reads the checkout's folder instead.
     """
     dirs = [Path("profiles"), user_dir()]
     spec = importlib.util.find_spec("mlx_moestream.bundled_profiles")
     if spec is not None and spec.submodule_search_locations:
         dirs.append(Path(list(spec.submodule_search_locations)[0]))
+    else:
+        dirs.append(Path(__file__).resolve().parent.parent / "profiles")
     return dirs
 
 

@@ -298,7 +298,7 @@ class Runtime:
         when the budget holds every expert)."""
         if budget_bytes < plan.min_budget_bytes:
             raise BudgetError(
-                f"budget {format_bytes(budget_bytes)} is below the minimum "
+                f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the minimum "
                 f"{format_bytes(plan.min_budget_bytes)} ({plan.min_budget_bytes} bytes): one "
                 f"token's top-{plan.top_k} experts must fit"
             )

@@ -98,7 +98,8 @@ def test_missing_model_directory_or_repo_is_reported(tmp_path, monkeypatch):
 
 
 def test_budget_below_minimum_states_the_minimum(tiny_model):
-    with pytest.raises(BudgetError, match=r"below the minimum 48\.0 KiB \(49152 bytes\)"):
+    with pytest.raises(BudgetError, match=r"budget 48\.0 KiB \(49151 bytes\) is below the "
+                                          r"minimum 48\.0 KiB \(49152 bytes\)"):
         mlx_moestream.load(tiny_model("qwen3_moe"), budget=49151)
 
 

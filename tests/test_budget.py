@@ -34,3 +34,18 @@ def test_auto_keeps_all_experts_when_they_fit():
 def test_auto_leaves_dense_weights_and_a_reserve_when_experts_do_not_fit():
     budget = auto_budget(expert_bytes=100 * GiB, dense_bytes=4 * GiB, memory_bytes=24 * GiB)
     assert budget == 24 * GiB - 4 * GiB - 6 * GiB
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("nan%", "cannot parse budget"), ("inf%", "cannot parse budget"),
+    ("1e400%", "cannot parse budget"), ("150%", "in \\(0%, 100%\\]: got '150%'"),
+    ("0%", "in \\(0%, 100%\\]"), (float("nan"), "finite"), (float("inf"), "finite"),
+])
+def test_a_budget_that_is_not_a_share_or_a_finite_size_is_a_clear_error(spec, problem):
+    with pytest.raises(BudgetError, match=problem):
+        resolve_budget(spec, expert_bytes=1000, dense_bytes=0)
+
+
+def test_a_size_of_hundreds_of_digits_is_exact_then_capped():
+    assert parse_size("1" * 400) == int("1" * 400)
+    assert resolve_budget("9" * 400, expert_bytes=1000, dense_bytes=0) == 1000
