@@ -321,7 +321,7 @@ class LayerCyclic(Policy):
     layered = True  # takes `num_experts`: a key's layer is `key // num_experts`
 
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
-                 half_life: int = 64, freq_share: float = 0.5):
+                 half_life: int = 32, freq_share: float = 0.5):
         super().__init__(capacity, num_keys)
         if half_life < 1:
             raise ValueError(f"half_life must be at least 1 token, got {half_life}")

@@ -1,4 +1,4 @@
-"""Hit rates of every eviction policy on every routing trace in a folder. Prints JSON.
+"""Hit rates of every eviction policy on every routing trace in some folders. Prints JSON.
 
 Each trace is replayed at 10%, 25% and 50% of all (layer, expert) slots, with every online
 policy over one shared pool and split per layer (evenly; a split below one token's top-k in
@@ -7,7 +7,8 @@ every layer is left out), and with Belady's offline optimum. For each trace and 
 best_other) / (Belady - best_other), the share of the distance to the optimum that the default
 policy covers. `accesses_per_second` is each replay's speed.
 
-    python scripts/bench_replay.py ../shared/traces --markdown tables.md \
+    python scripts/record_embedded_traces.py traces-embedded
+    python scripts/bench_replay.py ../shared/traces traces-embedded --markdown tables.md \
         --plot docs/caching.png
 """
 
@@ -91,9 +92,11 @@ def plot(results: dict[str, dict], path: Path) -> bool:
         from matplotlib.figure import Figure
     except ImportError:
         return False
-    fig = Figure(figsize=(5 * len(results), 4), dpi=110)
+    cols = min(3, len(results))
+    rows = -(-len(results) // cols)
+    fig = Figure(figsize=(5 * cols, 4 * rows), dpi=100)
     for i, (file, r) in enumerate(results.items()):
-        ax = fig.add_subplot(1, len(results), i + 1)
+        ax = fig.add_subplot(rows, cols, i + 1)
         for name in ["lru", "lru/layer", "lfu", "slru/layer", DEFAULT_POLICY, "belady"]:
             points = [(row["capacity"], row["hit_rate"][name]) for row in r["rows"]
                       if name in row["hit_rate"]]
@@ -111,25 +114,27 @@ def plot(results: dict[str, dict], path: Path) -> bool:
 
 
 @click.command()
-@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                default=Path(__file__).resolve().parents[2] / "shared" / "traces")
+@click.argument("folders", nargs=-1,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--capacity", "capacities", type=float, multiple=True, default=CAPACITIES,
               show_default=True, help="Fractions of all (layer, expert) slots (repeatable).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the tables as markdown here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write hit rate against capacity as a PNG here (needs matplotlib).")
-def main(folder: Path, capacities: tuple[float, ...], markdown_path: Path | None,
+def main(folders: tuple[Path, ...], capacities: tuple[float, ...], markdown_path: Path | None,
          plot_path: Path | None) -> None:
+    """Replay every .npz trace in FOLDERS (default: ../shared/traces beside the checkout)."""
+    folders = folders or (Path(__file__).resolve().parents[2] / "shared" / "traces",)
     results = {}
-    for path in sorted(folder.glob("*.npz")):
+    for path in sorted(p for folder in folders for p in folder.glob("*.npz")):
         click.echo(f"replaying {path.name}", err=True)
         trace = Trace.load(path)
         results[path.name] = {"tokens": trace.tokens, "layers": trace.layers,
                               "num_experts": trace.num_experts, "top_k": trace.top_k,
                               "rows": bench_trace(trace, sorted(capacities))}
     if not results:
-        raise click.ClickException(f"no .npz trace in {folder}")
+        raise click.ClickException(f"no .npz trace in {', '.join(map(str, folders))}")
     rows = [row for r in results.values() for row in r["rows"]]
     gaps = [row["gap_closed"] for row in rows if row["gap_closed"] is not None]
     summary = {"default": DEFAULT_POLICY,

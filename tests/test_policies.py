@@ -305,7 +305,7 @@ class SlowCyclic:
     """`LayerCyclic`'s rule, by brute force over every resident key: the victim is a key of
     least value / distance, value = decayed count + its group's learned use rate as a count."""
 
-    def __init__(self, layers, experts, half_life=64, freq_share=0.5):
+    def __init__(self, layers, experts, half_life=32, freq_share=0.5):
         self.layers, self.experts, self.half_life = layers, experts, half_life
         self.scale = (1 - freq_share) / freq_share / (1 - 0.5 ** (1 / half_life))
         self.count, self.tokens, self.position = {}, 0, 0
