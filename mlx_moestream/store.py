@@ -257,6 +257,13 @@ class ExpertStore:
                     f"{self.files[info.file]}: tensor '{key}' has shape {list(info.shape)}, "
                     f"expected {list(shape)}"
                 )
+            first = infos[0] if infos else info
+            if info.nbytes != nbytes or info.dtype != first.dtype:  # read past it, or misread
+                raise StoreError(
+                    f"{self.files[info.file]}: tensor '{key}' is {info.dtype} ({info.nbytes} "
+                    f"bytes) where the first expert's is {first.dtype} and the model reads "
+                    f"{nbytes} bytes per expert: convert the experts to one dtype"
+                )
             infos.append(info)
         files = np.array([i.file for i in infos])
         offsets = np.array([i.offset for i in infos], dtype=np.int64)

@@ -61,6 +61,21 @@ def test_missing_per_expert_tensor_is_named(model_copy):
         mlx_moestream.load(path)
 
 
+def test_an_expert_stored_in_another_dtype_is_refused_naming_it(model_copy):
+    """float16 among float32 experts: reading it with the others' size would run into the next
+    tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    path = model_copy("mixtral", layout="per_expert")
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    name = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    tensors[name] = tensors[name].astype("float16")
+    save_file(tensors, shard, metadata={"format": "mlx"})
+    with pytest.raises(StoreError, match=re.escape(f"tensor '{name}' is F16") + r".*F32"):
+        mlx_moestream.load(path, budget="50%")
+
+
 def test_unknown_architecture_is_named(model_copy):
     path = model_copy()
     config = json.loads((path / "config.json").read_text())
