@@ -368,7 +368,7 @@ def repack(model, out, verify_only):
         path = resolve_model_path(model)
         folder = Path(out) if out else path / REPACK_DIR
         if verify_only:
-            problems = rp.verify(folder)
+            problems = rp.verify(folder, path)
             for problem in problems:
                 click.echo(problem, err=True)
             if problems:

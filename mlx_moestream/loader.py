@@ -56,10 +56,11 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
         ) from None
 
 
-def load_lazy(path: Path, drop_page_cache: bool = True
+def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = None
               ) -> tuple[nn.Module, TokenizerWrapper, dict, ExpertStore, ModelPlan]:
-    """Index the files, then build the model without reading any weight."""
-    store = ExpertStore(path, drop_page_cache)
+    """Index the files, then build the model without reading any weight (`repacked`: see
+    `ExpertStore`)."""
+    store = ExpertStore(path, drop_page_cache, repacked)
     try:
         model, tokenizer, config = mlx_lm_load(str(path), lazy=True, return_config=True)
     except (ValueError, KeyError, FileNotFoundError) as e:

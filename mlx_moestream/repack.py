@@ -17,7 +17,7 @@ import numpy as np
 
 from .loader import load_lazy
 from .files import atomic_write_text
-from .store import REPACK_DIR, REPACK_SCHEMA, manifest_checksum, source_digest
+from .store import REPACK_DIR, REPACK_SCHEMA, manifest_checksum, source_digest, weight_files
 
 
 def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int = 4096,
@@ -29,7 +29,7 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
     model_dir = Path(model_dir)
     out = Path(out) if out else model_dir / REPACK_DIR
     out.mkdir(parents=True, exist_ok=True)
-    _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False)
+    _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False, repacked=False)
     layers = []
     tmp = out / "experts.bin.tmp"
     with open(tmp, "wb") as f:
@@ -62,17 +62,21 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
         size = f.tell()
     os.replace(tmp, out / "experts.bin")
     manifest = {"schema": REPACK_SCHEMA, "version": 1, "page_size": page_size,
-                "source": source_digest(store.files), "bin_bytes": size, "layers": layers}
+                "source": source_digest(weight_files(model_dir)), "bin_bytes": size,
+                "layers": layers}
     manifest["checksum"] = manifest_checksum(manifest)
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return out
 
 
-def verify(folder: str | Path) -> list[str]:
-    """Check every expert block against its crc32; returns the problems found (none: valid)."""
+def verify(folder: str | Path, model_dir: str | Path | None = None) -> list[str]:
+    """Check every expert block against its crc32 and, given `model_dir`, that the model's
+    files are still those the copy was made from; returns the problems found (none: valid)."""
     folder = Path(folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     problems = []
+    if model_dir is not None and manifest["source"] != source_digest(weight_files(Path(model_dir))):
+        problems.append(f"{folder}: made from other model files (repack again)")
     with open(folder / "experts.bin", "rb") as f:
         for layer in manifest["layers"]:
             block = sum(t["nbytes"] for t in layer["tensors"])

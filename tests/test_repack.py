@@ -11,7 +11,7 @@ import pytest
 
 import mlx_moestream
 from mlx_moestream.repack import repack, verify
-from mlx_moestream.store import ExpertStore
+from mlx_moestream.store import ExpertStore, index_file
 
 from test_streaming import greedy_logits
 
@@ -117,3 +117,44 @@ def test_cli_repack_then_verify(model_copy):
     assert subprocess.run(cli, capture_output=True, timeout=120).returncode == 0
     out = subprocess.run([*cli, "--verify"], capture_output=True, text=True, timeout=120)
     assert "every expert block matches" in out.stdout
+
+
+def test_a_copy_of_experts_since_rewritten_in_place_is_ignored_and_verify_says_so(model_copy):
+    """Same size, same header, other expert bytes: only the shard's modification time tells."""
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    shard = path / "model.safetensors"
+    stacked = index_file(shard, 0)["model.layers.0.mlp.switch_mlp.down_proj.weight"]
+    offset = stacked.offset + 3 * stacked.nbytes // stacked.shape[0]
+    stat = shard.stat()
+    with open(shard, "r+b") as f:  # rewrite expert 3's bytes, as an in-place edit would
+        f.seek(offset)
+        f.write(bytes(64))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert verify(folder, path) == [f"{folder}: made from other model files (repack again)"]
+    with pytest.warns(UserWarning, match="made from other model files"):
+        store = ExpertStore(path)
+    assert store.files[-1].name == "model.safetensors"
+
+
+def test_a_corrupt_block_in_the_copy_is_an_error_naming_the_expert_never_an_input(model_copy):
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    layer = manifest["layers"][1]
+    with open(folder / "experts.bin", "r+b") as f:  # flip bytes inside layer 1 expert 5
+        f.seek(layer["offset"] + 5 * layer["stride"] + 100)
+        f.write(b"\xff" * 8)
+    assert verify(folder) == [f"{layer['name']} expert 5: checksum mismatch"]
+    with pytest.raises(mlx_moestream.store.StoreError,
+                       match=r"experts\.bin: layer 1 expert 5 does not match its checksum"):
+        mlx_moestream.load(path, budget="100%")
+
+
+def test_repacking_again_rebuilds_the_copy_from_the_model_files(model_copy, reference):
+    path = model_copy("qwen3_moe")
+    first = (repack(path) / "experts.bin").read_bytes()
+    assert (repack(path) / "experts.bin").read_bytes() == first
+    model, _ = mlx_moestream.load(path, budget="25%")
+    assert model.moestream.store.files[-1].name == "experts.bin"
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
