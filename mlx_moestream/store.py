@@ -206,6 +206,8 @@ class ExpertStore:
             else:
                 self.files.append(folder / "experts.bin")
                 self.repacked = {layer["name"]: layer for layer in manifest["layers"]}
+        # what each file was when indexed: a read checks the file still is (see `_read_run`)
+        self.identity = [(st.st_size, st.st_mtime_ns) for st in map(os.stat, self.files)]
 
     def add_layer(self, prefix: str, params: dict[str, tuple[tuple[int, ...], int]], num_experts: int) -> int:
         """Locate a MoE layer's expert tensors; returns the layer's index in this store.
@@ -398,5 +400,11 @@ class ExpertStore:
                 bufs = bufs[1:]
             if n:
                 bufs = [bufs[0][n:], *bufs[1:]]
+        stat = os.fstat(fd)  # after the read: an in-place rewrite before or during it shows
+        if (stat.st_size, stat.st_mtime_ns) != self.identity[file]:
+            raise StoreError(
+                f"{self.files[file]}: changed on disk since the model was loaded (size or "
+                f"modification time), so {where} cannot be trusted: load the model again"
+            )
         if self.drop_page_cache and not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
