@@ -412,10 +412,11 @@ class LayerCyclic(Policy):
     def _join(self, layer: int) -> None:
         """Push the keys that left the layer's latest since the last join onto its heap, and
         note the least count there (`_surface`)."""
-        latest, state, count, heap = set(self.latest[layer]), self._state, self._count, self.old[layer]
-        for key in set().union(*self.pending[layer]).difference(latest):
-            if state[key] == 2:
-                heappush(heap, (count[key], key))
+        latest, state, count, heap = self.latest[layer], self._state, self._count, self.old[layer]
+        for previous in self.pending[layer]:
+            for key in previous:  # a key in two lists is pushed twice; both go stale together
+                if state[key] == 2 and key not in latest:
+                    heappush(heap, (count[key], key))
         self.pending[layer] = []
         if len(heap) > 2 * self.experts:  # mostly stale entries: keep only the live ones
             heap[:] = [(v, k) for v, k in heap if state[k] == 2 and count[k] == v]
