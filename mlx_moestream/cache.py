@@ -209,6 +209,9 @@ class ExpertCache:
         the slots, in file order (layer, expert), and the hottest of those to pin in `pin_share`
         (leaving each partition room for `top_k` unpinned). The caller `admit`s the first and
         loads them, then `pin`s the second: the runtime and replay pre-warm alike."""
+        if not (0.0 <= share <= 1.0 and 0.0 <= pin_share <= 1.0):
+            raise ValueError(f"pre-warm and pin shares must be in [0, 1] of the budget, got "
+                             f"{share} and {pin_share}")
         layers = self.policy_of
         limits = [self.capacity(l) if l in layers else 0 for l in range(len(self.slot_of))]
         hot = profile.hottest(int(self.num_slots * share) - self.resident, limits)

@@ -65,8 +65,9 @@ class Profile:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProfileError(f"{path}: not a readable profile ({e})") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise ProfileError(f"{path}: not a readable profile ({why})") from None
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ProfileError(f"{path}: not an mlx-moestream profile (schema != '{SCHEMA}')")
         if data.get("version") != VERSION:
@@ -78,18 +79,27 @@ class Profile:
             profile = cls(str(data["workload"]), dict(data["model"]), counts, decayed,
                           int(data["tokens"]), int(data["half_life_tokens"]),
                           [str(l["name"]) for l in layers], str(data["created"]))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProfileError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
         if counts.ndim != 2 or counts.shape != decayed.shape or (counts < 0).any():
             raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts] >= 0)")
+        if not np.isfinite(decayed).all() or (decayed < 0).any():
+            raise ProfileError(f"{path}: malformed profile (decayed counts must be finite, >= 0)")
         return profile
 
     def check_model(self, model: dict, source: str = "profile") -> None:
-        """Refuse a profile recorded on another model, saying which."""
+        """Refuse a profile recorded on another model, saying which, or whose counts do not
+        have the model's shape (one row per MoE layer, one count per expert)."""
         if self.model.get("fingerprint") != model["fingerprint"]:
             raise ProfileError(
                 f"{source} '{self.workload}' was recorded on {_describe(self.model)} "
                 f"but this model is {_describe(model)}"
+            )
+        shape = (model.get("moe_layers"), model.get("experts"))
+        if None not in shape and self.counts.shape != shape:
+            raise ProfileError(
+                f"{source} '{self.workload}' has counts for {self.counts.shape[0]} layers x "
+                f"{self.counts.shape[1]} experts, but its model has {shape[0]} x {shape[1]}"
             )
 
     def hottest(self, limit: int, per_layer: list[int] | None = None) -> list[tuple[int, int]]:
@@ -177,6 +187,8 @@ def save_target(name: str) -> Path:
 
 
 def list_all() -> list[Path]:
+    """Every profile file found, the first of each name (unreadable ones included: the
+    caller reports them one by one)."""
     seen, out = set(), []
     for folder in search_dirs():
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():

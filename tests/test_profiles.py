@@ -117,10 +117,20 @@ def test_profile_recorded_on_float_model_applies_to_its_quantized_version(tiny_m
     assert mlx_moestream.stats(quantized)["prewarm"]["experts"] > 0
 
 
+def _profile_json(counts, decayed) -> str:
+    return json.dumps({
+        "schema": "mlx-moestream-profile", "version": 1, "workload": "w", "created": "now",
+        "model": {"fingerprint": "f"}, "tokens": 1, "half_life_tokens": 256,
+        "layers": [{"name": "l0", "counts": counts, "decayed": decayed}]})
+
+
 @pytest.mark.parametrize("content, problem", [
     ("{not json", "not a readable profile"),
     ('{"schema": "other"}', "not an mlx-moestream profile"),
     ('{"schema": "mlx-moestream-profile", "version": 1, "layers": []}', "malformed profile"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (_profile_json([1e30, 1], [1, 1]), "malformed profile"),
+    (_profile_json([1, 1], [float("nan"), 1]), "must be finite"),
 ])
 def test_malformed_profile_is_a_clear_error(tmp_path, content, problem):
     (tmp_path / "bad.json").write_text(content)
@@ -257,3 +267,24 @@ def test_replay_prewarms_the_experts_that_load_prewarms(tiny_model, tmp_path):
     hits, accesses = token_hits(trace, "cyclic", 4, Profile.load(profile_path))
     assert slots == 4 and hits[0] == accesses[0] == slots
     assert token_hits(trace, "cyclic", 4)[0][0] == 0
+
+
+def test_a_profile_of_another_shape_is_refused_even_with_the_right_fingerprint(tiny_model,
+                                                                                tmp_path):
+    path = tiny_model("qwen3_moe")
+    model, _ = _session(path, budget="50%")
+    saved = Profile.load(mlx_moestream.save_profile(model, tmp_path / "p.json"))
+    saved.counts, saved.decayed = saved.counts[:, :3], saved.decayed[:, :3]
+    with pytest.raises(ProfileError, match="counts for 2 layers x 3 experts, but its model has "
+                                           "2 x 8"):
+        mlx_moestream.load(path, budget="50%", profile=saved)
+
+
+@pytest.mark.parametrize("share, pin_share", [(-1.0, 0.0), (1.5, 0.0), (1.0, -0.5)])
+def test_prewarm_shares_outside_zero_to_one_are_refused(tiny_model, tmp_path, share, pin_share):
+    path = tiny_model("qwen3_moe")
+    model, _ = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    with pytest.raises(ValueError, match=r"shares must be in \[0, 1\]"):
+        mlx_moestream.load(path, budget="50%", profile=profile_path, prewarm_share=share,
+                           pin_share=pin_share)
