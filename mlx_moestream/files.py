@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import secrets
 from pathlib import Path
@@ -10,8 +11,10 @@ from typing import BinaryIO, Callable
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Call `write` on a temporary file beside `path`, sync it, then rename it over `path`."""
+    """Call `write` on a temporary file beside `path`, sync it, then rename it over `path`.
+    Temporary files that a killed writer (kill -9) left for `path` are removed first."""
     path = Path(path)
+    _remove_orphans(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
     try:
@@ -28,3 +31,22 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove `.NAME.PID.HEX.tmp` files beside `path` whose writing process no longer exists."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 :].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -11,6 +11,7 @@ Other arrays (a converter's metadata: `model`, `source`, `segment_names`, ...) a
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import zipfile
@@ -22,6 +23,9 @@ import numpy as np
 from .files import atomic_write
 
 _REQUIRED = ("experts", "num_experts")
+# A trace is routing ids: 1M tokens x 64 layers x top-8 as int16 is 1 GiB. Past this many bytes
+# of arrays, a file is refused before it is decompressed.
+MAX_TRACE_BYTES = 4 * 2**30
 _OPTIONAL = ("weights", "segment_id")
 _MAX_EXPERTS = int(np.iinfo(np.int16).max) + 1
 
@@ -60,12 +64,15 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
-        """Read and validate a trace file; every problem raises `TraceError` naming the file."""
+        """Read and validate a trace file; every problem raises `TraceError` naming the file.
+        Each array's size is read from its header first: a file that would expand beyond
+        `MAX_TRACE_BYTES` (a zip bomb) is refused before anything is decompressed."""
         try:
             data = np.load(path, allow_pickle=False)
             if not isinstance(data, np.lib.npyio.NpzFile):
                 raise TraceError(f"{path}: not an .npz archive")
             with data:
+                _check_sizes(path, data)
                 arrays = {name: data[name] for name in data.files}
         except TraceError:
             raise
@@ -215,6 +222,23 @@ def synthetic_trace(
     chosen = np.take_along_axis(popularity, experts, axis=2)
     weights = (chosen / chosen.sum(axis=2, keepdims=True)).astype(np.float16)
     return Trace(experts.astype(np.int16), num_experts, weights, segment_id)
+
+
+def _check_sizes(path, data: np.lib.npyio.NpzFile) -> None:
+    """Refuse an archive whose arrays, by their headers, add up to more than MAX_TRACE_BYTES."""
+    total = 0
+    for member in data.zip.namelist():
+        with data.zip.open(member) as f:
+            version = np.lib.format.read_magic(f)
+            header = {(1, 0): np.lib.format.read_array_header_1_0,
+                      (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if header is None:  # read as any unreadable file: "cannot read a trace .npz"
+                raise ValueError(f"array '{member}' has no .npy header")
+            shape, _, dtype = header(f)
+        total += math.prod(shape) * dtype.itemsize
+        if total > MAX_TRACE_BYTES:
+            raise TraceError(f"{path}: array '{member.removesuffix('.npy')}' would expand the "
+                             f"trace past {MAX_TRACE_BYTES >> 30} GiB ({shape} {dtype}): refused")
 
 
 def _problem(experts, num_experts, weights=None, segment_id=None) -> str | None:

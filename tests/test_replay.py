@@ -346,3 +346,16 @@ def test_profile_helpers_count_uses_per_expert():
     assert trace.expert_counts() == {0: 1.0, 1: 2.0}
     assert trace.working_set().tolist() == [2]
     np.testing.assert_allclose(trace.routing_entropy(), [0.9183], atol=1e-4)
+
+
+def test_a_trace_that_would_expand_past_the_limit_is_refused_before_decompressing(tmp_path,
+                                                                                  monkeypatch):
+    """A zip bomb: 16 MiB of zeros compresses to a few KiB."""
+    from mlx_moestream import trace as trace_module
+
+    monkeypatch.setattr(trace_module, "MAX_TRACE_BYTES", 2**20)
+    path = tmp_path / "bomb.npz"
+    np.savez_compressed(path, experts=np.zeros((2**20, 4, 2), np.int16), num_experts=np.int64(4))
+    assert path.stat().st_size < 2**17
+    with pytest.raises(TraceError, match="array 'experts' would expand the trace past"):
+        Trace.load(path)
