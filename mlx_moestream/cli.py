@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import click
@@ -78,15 +82,20 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
 
     from . import loader
 
+    from .profiles import save_target
+
     to_load = [name for action, name in profiles if action == "load"]
     to_save = [name for action, name in profiles if action == "save"]
     if len(to_load) > 1:
         raise click.UsageError("--profile load may be given once")
-    try:
+    try:  # every output is checked before the session, not found unwritable at its end
+        targets = [save_target(name) for name in to_save]
+        if trace_path:
+            _check_writable(Path(trace_path))
         lm, tokenizer = loader.load(model, budget, policy, to_load[0] if to_load else None,
                                     prewarm_share=prewarm_share, pin_share=pin_share,
                                     per_layer=per_layer, prefetch=prefetch, progress=_progress)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         _fail(e)
     if trace_path:
         loader.start_trace(lm)
@@ -104,19 +113,56 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         history.append({"role": "assistant", "content": "".join(reply)})
         click.echo(format_stats(loader.stats(lm), response))
 
+    failed = None
     try:
-        if prompt is not None:
-            answer(prompt)
-        else:
-            _interactive(answer)
-    except KeyboardInterrupt:
-        click.echo("\n[interrupted]")
+        with _terminate_as_interrupt():
+            if prompt is not None:
+                answer(prompt)
+            else:
+                _interactive(answer)
+    except (KeyboardInterrupt, _Terminated) as e:
+        click.echo(f"\n[{'terminated' if isinstance(e, _Terminated) else 'interrupted'}]")
+        failed = failed or (click.ClickException("terminated") if isinstance(e, _Terminated)
+                            else None)
+    except ValueError as e:  # a read error, say: the outputs below are still written
+        failed = e
     finally:
-        for name in to_save:
-            click.echo(f"profile saved: {loader.save_profile(lm, name)}", err=True)
+        outputs = [(f"profile {t}", partial(loader.save_profile, lm, t)) for t in targets]
         if trace_path:
-            loader.save_trace(lm, trace_path)
-            click.echo(f"trace saved: {trace_path}", err=True)
+            outputs.append((f"trace {trace_path}", partial(loader.save_trace, lm, trace_path)))
+        for label, save in outputs:  # each on its own: one failing does not lose the others
+            try:
+                save()
+                click.echo(f"{label} saved", err=True)
+            except (ValueError, OSError) as e:
+                click.echo(f"Error: {label} not saved: {e}", err=True)
+                failed = failed or e
+    if failed:
+        _fail(failed)
+
+
+def _check_writable(path: Path) -> None:
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise OSError(f"cannot write {path}: {folder} is not a writable folder")
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP: the session ends, its outputs saved."""
+
+
+@contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM and SIGHUP end the session (its outputs saved), where Ctrl-C stops an answer."""
+    def interrupt(signum, frame):
+        raise _Terminated
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _interactive(answer) -> None:
@@ -133,6 +179,8 @@ def _interactive(answer) -> None:
             answer(text)
         except KeyboardInterrupt:
             click.echo("\n[interrupted]")
+        except ValueError as e:  # a read error: this answer is lost, the session goes on
+            click.echo(f"\nError: {e}", err=True)
 
 
 def _progress(items, label: str):

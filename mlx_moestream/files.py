@@ -6,6 +6,7 @@ import contextlib
 import glob
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -22,6 +23,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        with contextlib.suppress(FileNotFoundError):  # a replaced file keeps its mode
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -149,8 +149,8 @@ def profile(model: nn.Module, workload: str) -> Profile:
 
 
 def save_profile(model: nn.Module, name: str | Path, workload: str | None = None) -> Path:
-    """Save this session's activation profile as NAME (in ./profiles or the user directory) or a path."""
-    name = str(name)
+    """Save this session's activation profile as NAME (in ./profiles or the user directory) or
+    a path (see `profiles.save_target`)."""
     return profile(model, workload or Path(name).stem).save(profile_target(name))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -178,12 +179,29 @@ def find(name: str) -> Path:
     raise ProfileError(f"no profile named '{name}' (looked in {where})")
 
 
-def save_target(name: str) -> Path:
-    """Where `--profile save NAME` writes: ./profiles if it exists, else the user directory."""
-    if _is_path(name):
-        return Path(name).expanduser()
-    folder = Path("profiles") if Path("profiles").is_dir() else user_dir()
-    return folder / f"{name}.json"
+def save_target(name: str | Path) -> Path:
+    """Where saving NAME writes, checked before anything is recorded: a NAME (letters, digits,
+    `.`, `_`, `-`) goes to ./profiles if it exists, else the user directory; a path (a `Path`,
+    or a string ending in `.json`) must be in an existing folder. An existing file is replaced
+    only if it is a profile."""
+    if isinstance(name, Path) or name.endswith(".json"):
+        path = Path(name).expanduser()
+        if not path.parent.is_dir():
+            raise ProfileError(f"cannot save profile {path}: no folder {path.parent}")
+    elif re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", name):
+        path = (Path("profiles") if Path("profiles").is_dir() else user_dir()) / f"{name}.json"
+    else:
+        raise ProfileError(f"'{name}' is neither a profile name (letters, digits, '.', '_', '-') "
+                           f"nor a path ending in .json")
+    if path.exists():
+        try:
+            Profile.load(path)
+        except ProfileError:
+            raise ProfileError(f"refusing to replace {path}: it is not an mlx-moestream "
+                               f"profile") from None
+    if path.parent.is_dir() and not os.access(path.parent, os.W_OK):
+        raise ProfileError(f"cannot save profile {path}: {path.parent} is not writable")
+    return path
 
 
 def list_all() -> list[Path]:

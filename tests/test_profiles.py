@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -37,8 +38,8 @@ def test_profile_counts_every_routed_token(tiny_model, tmp_path):
 
 def test_profile_save_is_atomic(tiny_model, tmp_path, monkeypatch):
     model, _ = _session(tiny_model("qwen3_moe"), budget="50%")
-    target = tmp_path / "p.json"
-    target.write_text("previous")
+    target = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    previous = target.read_text()
 
     def broken_fsync(fd):
         raise OSError("disk full")
@@ -46,7 +47,7 @@ def test_profile_save_is_atomic(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         mlx_moestream.save_profile(model, target)
-    assert target.read_text() == "previous"
+    assert target.read_text() == previous
     assert os.listdir(tmp_path) == ["p.json"]
 
 
@@ -288,3 +289,76 @@ def test_prewarm_shares_outside_zero_to_one_are_refused(tiny_model, tmp_path, sh
     with pytest.raises(ValueError, match=r"shares must be in \[0, 1\]"):
         mlx_moestream.load(path, budget="50%", profile=profile_path, prewarm_share=share,
                            pin_share=pin_share)
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("../../evil", "is neither a profile name"),
+    ("sub/name", "is neither a profile name"),
+    ("missing/p.json", "no folder missing"),
+])
+def test_profile_save_takes_a_name_or_a_json_path_and_checks_it_before_the_session(
+        tiny_model, tmp_path, name, problem):
+    (tmp_path / "profiles").mkdir()
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 4,
+               "--profile", "save", name, cwd=tmp_path)
+    assert out.returncode != 0 and problem in out.stderr and "Traceback" not in out.stderr
+    assert "hit rate" not in out.stdout  # refused before any answer
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["profiles"]
+
+
+def test_profile_save_never_replaces_a_file_that_is_not_a_profile(tiny_model, tmp_path):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    notes.chmod(0o600)
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 4,
+               "--profile", "save", notes, cwd=tmp_path)
+    assert out.returncode != 0 and "refusing to replace" in out.stderr
+    assert notes.read_text() == '{"mine": true}' and notes.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_profile_that_cannot_be_written_does_not_lose_the_trace(tiny_model, tmp_path,
+                                                                  monkeypatch):
+    """The profile's folder turns read-only mid-session: the trace is still written."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    code = (
+        "import os, sys; from mlx_moestream import cli, loader; "
+        "save = loader.save_profile; "
+        "loader.save_profile = lambda *a: (_ for _ in ()).throw(OSError('disk full')); "
+        "cli.main()")
+    out = subprocess.run(
+        [sys.executable, "-c", code, "chat", "-m", str(tiny_model("qwen3_moe")), "--prompt",
+         PROMPT, "-n", "4", "--profile", "save", str(folder / "p.json"), "--trace",
+         str(folder / "t.npz")], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode != 0 and "not saved: disk full" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert Trace.load(folder / "t.npz").tokens > 0
+
+
+def test_sigterm_ends_an_interactive_chat_saving_profile_and_trace(tiny_model, tmp_path):
+    chat = subprocess.Popen(
+        [*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4", "--profile", "save",
+         str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    chat.stdin.write(PROMPT + "\n")
+    chat.stdin.flush()
+    while "hit rate" not in chat.stdout.readline():  # the first answer is done
+        pass
+    chat.send_signal(signal.SIGTERM)
+    _, err = chat.communicate(timeout=60)
+    assert "Traceback" not in err
+    assert Profile.load(tmp_path / "p.json").tokens > 0
+    assert Trace.load(tmp_path / "t.npz").tokens > 0
+
+
+def test_a_read_error_mid_chat_is_a_one_line_error(tiny_model, tmp_path):
+    code = (
+        "import errno, os; from mlx_moestream import cli; "
+        "os.preadv = lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, 'Input/output error')); "
+        "cli.main()")
+    out = subprocess.run(
+        [sys.executable, "-c", code, "chat", "-m", str(tiny_model("qwen3_moe")), "--prompt",
+         PROMPT, "-n", "4", "-b", "25%"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "Error: " in out.stderr and "Input/output error" in out.stderr
