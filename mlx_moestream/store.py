@@ -56,6 +56,13 @@ class TensorInfo:
 
 def read_header(path: Path) -> tuple[dict, int]:
     """Parse a safetensors header; returns (header, absolute offset of the data section)."""
+    try:
+        return _read_header(path)
+    except OSError as e:  # a directory, a symlink loop, no permission
+        raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -81,12 +88,19 @@ def index_file(path: Path, file_id: int) -> dict[str, TensorInfo]:
     size = path.stat().st_size
     tensors = {}
     for name, meta in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__":  # null (as mlx writes it) or names to strings
+            if meta is not None and not (isinstance(meta, dict)
+                                         and all(isinstance(v, str) for v in meta.values())):
+                raise StoreError(f"{path}: corrupt header: __metadata__ must map names to strings")
             continue
         try:
             dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise StoreError(f"{path}: corrupt header entry for tensor '{name}'") from None
+        numbers = (*shape, begin, end)
+        if not all(type(n) is int and n >= 0 for n in numbers) or begin > end:
+            raise StoreError(f"{path}: corrupt header entry for tensor '{name}' (shape {shape}, "
+                             f"offsets {[begin, end]}: need non-negative integers, begin <= end)")
         if dtype not in RAW_DTYPES:
             raise StoreError(f"{path}: tensor '{name}' has unsupported dtype {dtype}")
         nbytes = end - begin
@@ -115,8 +129,12 @@ def weight_files(model_dir: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise StoreError(f"{index}: corrupt shard index ({e})") from None
+        except (json.JSONDecodeError, KeyError, TypeError, OSError, UnicodeDecodeError) as e:
+            raise StoreError(f"{index}: corrupt shard index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str)
+                                                       for f in weight_map.values()):
+            raise StoreError(f"{index}: corrupt shard index (weight_map must map tensor names "
+                             f"to file names)")
         missing = sorted({f for f in weight_map.values() if not (model_dir / f).exists()})
         if missing:
             raise StoreError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
@@ -152,8 +170,10 @@ def read_manifest(folder: Path, files: list[Path]) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise StoreError(f"{path}: unreadable repack manifest ({e})") from None
-    if manifest.get("schema") != REPACK_SCHEMA or manifest.get("checksum") != manifest_checksum(manifest):
-        raise StoreError(f"{path}: corrupt repack manifest (checksum mismatch)")
+    if (not isinstance(manifest, dict) or manifest.get("schema") != REPACK_SCHEMA
+            or manifest.get("checksum") != manifest_checksum(manifest)
+            or not {"bin_bytes", "source", "layers"} <= manifest.keys()):
+        raise StoreError(f"{path}: corrupt repack manifest (checksum mismatch or missing fields)")
     binary = folder / "experts.bin"
     if not binary.exists() or binary.stat().st_size != manifest["bin_bytes"]:
         raise StoreError(f"{binary}: missing or not {manifest['bin_bytes']} bytes")

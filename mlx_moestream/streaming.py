@@ -178,8 +178,12 @@ def _path_key(path: str) -> list:
 def _top_k(config: dict, model_type: str) -> int:
     for source in (config, config.get("text_config", {})):
         for key in TOP_K_KEYS:
-            if isinstance(source.get(key), int):
-                return source[key]
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value < 1:
+                    raise ValueError(f"model_type '{model_type}': config.json has {key} = "
+                                     f"{value}: a token must use at least one expert")
+                return value
     raise ValueError(f"model_type '{model_type}': config.json names no experts-per-token (top-k)")
 
 

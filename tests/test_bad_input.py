@@ -38,6 +38,59 @@ def test_header_longer_than_the_file_is_reported(model_copy):
         mlx_moestream.load(path)
 
 
+def _edit_header(shard, edit):
+    """Rewrite a shard's header JSON through `edit(header)`, keeping its data section."""
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+
+
+def _first_tensor(header):
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda h: _first_tensor(h).update(data_offsets=[-8, 0]), "need non-negative integers"),
+    (lambda h: _first_tensor(h).update(shape="64"), "need non-negative integers"),
+    (lambda h: _first_tensor(h).update(data_offsets="0,8"), "corrupt header entry"),
+    (lambda h: h.update(__metadata__=5), "__metadata__ must map names to strings"),
+])
+def test_a_malformed_header_entry_is_a_clear_error_naming_the_file(model_copy, edit, problem):
+    path = model_copy()
+    _edit_header(path / "model.safetensors", edit)
+    with pytest.raises(StoreError, match=r"model\.safetensors: .*" + re.escape(problem)):
+        ExpertStore(path)
+
+
+@pytest.mark.parametrize("index", [[1, 2], {"weight_map": [1]}, {"weight_map": {"a": 3}}])
+def test_a_malformed_shard_index_is_a_clear_error(model_copy, index):
+    path = model_copy()
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreError, match=r"index\.json: corrupt shard index"):
+        ExpertStore(path)
+
+
+def test_a_shard_that_is_a_directory_is_a_clear_error(model_copy):
+    path = model_copy()
+    (path / "model-extra.safetensors").mkdir()
+    with pytest.raises(StoreError, match=r"model-extra\.safetensors: cannot read"):
+        ExpertStore(path)
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_a_config_with_no_experts_per_token_is_refused(model_copy, top_k):
+    path = model_copy()
+    config = json.loads((path / "config.json").read_text())
+    config["num_experts_per_tok"] = top_k
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=f"num_experts_per_tok = {top_k}: a token must use"):
+        mlx_moestream.load(path)
+
+
 def _drop_tensor(path, name):
     from safetensors.numpy import load_file, save_file
 
