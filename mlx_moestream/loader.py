@@ -46,6 +46,10 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
         return path
     if path.exists():
         raise ModelError(f"{path} is a file; give the model's directory")
+    text = str(model)
+    if isinstance(model, Path) or text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise ModelError(f"no such directory: {path} (a Hugging Face repo id is NAME or "
+                         f"OWNER/NAME)")
     try:
         return Path(snapshot_download(str(model), revision=revision, allow_patterns=HUB_PATTERNS))
     except (LocalEntryNotFoundError, HfHubHTTPError, HFValidationError, OSError) as e:

@@ -17,7 +17,8 @@ import numpy as np
 
 from .loader import load_lazy
 from .files import atomic_write_text
-from .store import REPACK_DIR, REPACK_SCHEMA, manifest_checksum, source_digest, weight_files
+from .store import (REPACK_DIR, REPACK_SCHEMA, StoreError, manifest_checksum, source_digest,
+                    weight_files)
 
 
 def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int = 4096,
@@ -73,7 +74,12 @@ def verify(folder: str | Path, model_dir: str | Path | None = None) -> list[str]
     """Check every expert block against its crc32 and, given `model_dir`, that the model's
     files are still those the copy was made from; returns the problems found (none: valid)."""
     folder = Path(folder)
-    manifest = json.loads((folder / "manifest.json").read_text())
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise StoreError(f"no repacked copy in {folder}: run `mlx-moestream repack` first") from None
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{folder / 'manifest.json'}: unreadable repack manifest ({e})") from None
     problems = []
     if model_dir is not None and manifest["source"] != source_digest(weight_files(Path(model_dir))):
         problems.append(f"{folder}: made from other model files (repack again)")

@@ -159,10 +159,16 @@ def test_dense_model_is_rejected_as_not_moe(tmp_path):
         mlx_moestream.load(tmp_path)
 
 
-def test_missing_model_directory_or_repo_is_reported(tmp_path, monkeypatch):
+def test_a_missing_local_directory_is_named_as_one(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelError, match="not a local directory"):
+    with pytest.raises(ModelError, match=f"no such directory: {re.escape(str(tmp_path))}/nope"):
         mlx_moestream.load(str(tmp_path / "nope"))
+
+
+def test_a_repo_id_missing_offline_is_reported(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="'someone/no-such-model' is not a local directory"):
+        mlx_moestream.load("someone/no-such-model")
 
 
 def test_budget_below_minimum_states_the_minimum(tiny_model):

@@ -3,6 +3,8 @@
 import json
 import mmap
 import os
+import subprocess
+import sys
 import warnings
 
 import mlx.core as mx
@@ -158,3 +160,12 @@ def test_repacking_again_rebuilds_the_copy_from_the_model_files(model_copy, refe
     model, _ = mlx_moestream.load(path, budget="25%")
     assert model.moestream.store.files[-1].name == "experts.bin"
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+
+
+def test_verify_before_any_repack_says_there_is_no_copy(model_copy):
+    path = model_copy("qwen3_moe")
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "repack", "--verify",
+                          "--model", path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"no repacked copy in {path / 'moestream-experts'}: run `mlx-moestream repack` first" \
+        in out.stderr
