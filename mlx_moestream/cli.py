@@ -196,7 +196,8 @@ def format_stats(s: dict, response=None) -> str:
             f"{response.generation_tokens} generated at {response.generation_tps:.1f} tok/s]"
         )
     lines.append(
-        f"experts: hit rate {s['hit_rate']:.1%} ({s['hits']} hits, {s['misses']} misses), "
+        f"experts, session so far: hit rate {s['hit_rate']:.1%} ({s['hits']} hits, "
+        f"{s['misses']} misses), "
         f"{s['loads']} loads, {s['evictions']} evictions, read {format_bytes(s['bytes_read'])} "
         f"in {s['read_ms']:.0f} ms; resident {format_bytes(s['resident_bytes'])} of budget "
         f"{format_bytes(s['budget_bytes'])} ({s['policy']})"
@@ -205,9 +206,10 @@ def format_stats(s: dict, response=None) -> str:
         w = s["prewarm"]
         lines.append(f"pre-warmed {w['experts']} experts from profile '{w['profile']}' "
                      f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms), {w['pinned']} pinned; "
-                     f"hit rate since {_percent(w['hit_rate_after'])}, "
-                     f"before {_percent(w['hit_rate_before'])}")
-    if s["prefetch_loads"]:
+                     f"hit rate since {_percent(w['hit_rate_after'])}"
+                     + ("" if w["hit_rate_before"] is None
+                        else f", before it {_percent(w['hit_rate_before'])}"))
+    if s["prefetch"]:
         lines.append(f"prefetch: {s['prefetch_loads']} reads, {s['prefetch_used']} used; "
                      f"prediction precision {s['prediction_precision']:.0%}, recall "
                      f"{s['prediction_recall']:.0%}; stalled {s['stall_ms']:.0f} ms")
@@ -287,6 +289,8 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
     from .policies import POLICIES
     from .trace import Trace
 
+    if plot and not sweep:
+        raise click.UsageError("--plot draws the --sweep: give both")
     try:
         trace = Trace.load(trace_path)
         profile = None
@@ -303,8 +307,8 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
             results = [rp.replay(trace, policy, _capacity(capacity), per_layer, profile)]
     except ValueError as e:
         _fail(e)
-    if plot and sweep and not rp.plot_sweep(results, plot):
-        click.echo("matplotlib is not installed: no plot written", err=True)
+    if plot and not rp.plot_sweep(results, plot):
+        _fail(RuntimeError("--plot needs matplotlib (pip install matplotlib): no plot written"))
     if as_json:
         click.echo(json.dumps(results if sweep else results[0], indent=2))
         return

@@ -88,19 +88,20 @@ class Profile:
             raise ProfileError(f"{path}: malformed profile (decayed counts must be finite, >= 0)")
         return profile
 
-    def check_model(self, model: dict, source: str = "profile") -> None:
+    def check_model(self, model: dict, source: str = "profile", target: str = "this model"
+                    ) -> None:
         """Refuse a profile recorded on another model, saying which, or whose counts do not
         have the model's shape (one row per MoE layer, one count per expert)."""
         if self.model.get("fingerprint") != model["fingerprint"]:
             raise ProfileError(
                 f"{source} '{self.workload}' was recorded on {_describe(self.model)} "
-                f"but this model is {_describe(model)}"
+                f"but {target} is {_describe(model)}"
             )
         shape = (model.get("moe_layers"), model.get("experts"))
         if None not in shape and self.counts.shape != shape:
             raise ProfileError(
                 f"{source} '{self.workload}' has counts for {self.counts.shape[0]} layers x "
-                f"{self.counts.shape[1]} experts, but its model has {shape[0]} x {shape[1]}"
+                f"{self.counts.shape[1]} experts, but {target} has {shape[0]} x {shape[1]}"
             )
 
     def hottest(self, limit: int, per_layer: list[int] | None = None) -> list[tuple[int, int]]:
@@ -218,7 +219,7 @@ def list_all() -> list[Path]:
 
 def merge(a: Profile, b: Profile, workload: str) -> Profile:
     """Sum two profiles of the same model (e.g. two sessions of one workload)."""
-    b.check_model(a.model, "second profile")
+    b.check_model(a.model, "second profile", "the first profile's model")
     return Profile(workload, a.model, a.counts + b.counts, a.decayed + b.decayed,
                    a.tokens + b.tokens, a.half_life_tokens, a.layer_names)
 
@@ -237,7 +238,7 @@ def js_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def diff(a: Profile, b: Profile, top_n: int) -> list[dict]:
     """Per layer: JS divergence of the two expert distributions and overlap of their top-N."""
-    b.check_model(a.model, "second profile")
+    b.check_model(a.model, "second profile", "the first profile's model")
     jsd = js_divergence(a.counts.astype(float), b.counts.astype(float))
     rows = []
     for layer in range(len(a.counts)):

@@ -634,6 +634,7 @@ class Runtime:
             slot_bytes=self.slot_bytes,
             slots=sum(p.num_slots for p in self.pools),
             policy=self.policy,
+            prefetch=self.prefetch,
             prewarm=self.prewarm_info and self._prewarm_effect(out["hits"], out["misses"]),
         )
         pinned = sum(c.pinned_count for c in self.caches)

@@ -68,6 +68,8 @@ class Trace:
         Each array's size is read from its header first: a file that would expand beyond
         `MAX_TRACE_BYTES` (a zip bomb) is refused before anything is decompressed."""
         try:
+            if os.path.isfile(path) and not zipfile.is_zipfile(path):  # not "pickled data"
+                raise TraceError(f"{path}: not an .npz archive (a trace is a zip of .npy arrays)")
             data = np.load(path, allow_pickle=False)
             if not isinstance(data, np.lib.npyio.NpzFile):
                 raise TraceError(f"{path}: not an .npz archive")

@@ -276,7 +276,7 @@ def test_a_profile_of_another_shape_is_refused_even_with_the_right_fingerprint(t
     model, _ = _session(path, budget="50%")
     saved = Profile.load(mlx_moestream.save_profile(model, tmp_path / "p.json"))
     saved.counts, saved.decayed = saved.counts[:, :3], saved.decayed[:, :3]
-    with pytest.raises(ProfileError, match="counts for 2 layers x 3 experts, but its model has "
+    with pytest.raises(ProfileError, match="counts for 2 layers x 3 experts, but this model has "
                                            "2 x 8"):
         mlx_moestream.load(path, budget="50%", profile=saved)
 
@@ -362,3 +362,22 @@ def test_a_read_error_mid_chat_is_a_one_line_error(tiny_model, tmp_path):
         capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "Error: " in out.stderr and "Input/output error" in out.stderr
+
+
+def test_merging_profiles_of_two_models_names_both(tiny_model, tmp_path):
+    for name, arch in (("a", "qwen3_moe"), ("b", "mixtral")):
+        model, _ = _session(tiny_model(arch), budget="50%")
+        mlx_moestream.save_profile(model, tmp_path / f"{name}.json")
+    out = _cli("profile", "merge", tmp_path / "a.json", tmp_path / "b.json", "-o",
+               tmp_path / "ab.json", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "second profile 'b' was recorded on mixtral" in out.stderr
+    assert "but the first profile's model is qwen3_moe" in out.stderr
+
+
+def test_replay_plot_without_sweep_is_a_usage_error(tmp_path):
+    from mlx_moestream.trace import synthetic_trace
+
+    synthetic_trace(20, 2, 8, 2).save(tmp_path / "t.npz")
+    out = _cli("replay", tmp_path / "t.npz", "--plot", tmp_path / "p.png", cwd=tmp_path)
+    assert out.returncode == 2 and "--plot draws the --sweep" in out.stderr

@@ -257,8 +257,10 @@ def test_unreadable_trace_files_raise_trace_error(tmp_path):
     np.save(tmp_path / "plain.npy", np.zeros(3))
     with zipfile.ZipFile(tmp_path / "truncated.npz", "w") as z:
         z.writestr("experts.npy", b"\x93NUMPY garbage")
-    for name, problem in [("missing.npz", "cannot read"), ("junk.npz", "cannot read"),
-                          ("plain.npy", "not an .npz"), ("truncated.npz", "cannot read")]:
+    (tmp_path / "notes.txt").write_text("hello")
+    for name, problem in [("missing.npz", "cannot read"), ("junk.npz", "not an .npz archive"),
+                          ("notes.txt", "not an .npz archive"), ("plain.npy", "not an .npz"),
+                          ("truncated.npz", "cannot read")]:
         with pytest.raises(TraceError, match=f"{name}: {problem}"):
             Trace.load(tmp_path / name)
 
