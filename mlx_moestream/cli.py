@@ -334,8 +334,8 @@ def profile_list():
         except ValueError as e:
             click.echo(f"{path.stem:<20} (unreadable: {e})")
             continue
-        click.echo(f"{path.stem:<20} {p.model['model_type']:<12} {p.tokens:>8} tokens  "
-                   f"{p.created}  {path}")
+        click.echo(f"{path.stem:<20} {str(p.model.get('model_type')):<12} {p.tokens:>8} tokens"
+                   f"  {p.created}  {path}")
 
 
 @profile.command("record")
@@ -414,11 +414,11 @@ def repack(model, out, verify_only):
     """Write an expert-major copy of the experts: one page-aligned read per expert."""
     from . import repack as rp
     from .loader import resolve_model_path
-    from .store import REPACK_DIR
+    from .store import repack_dir
 
     try:
         path = resolve_model_path(model)
-        folder = Path(out) if out else path / REPACK_DIR
+        folder = Path(out) if out else repack_dir(path)
         if verify_only:
             problems = rp.verify(folder, path)
             for problem in problems:

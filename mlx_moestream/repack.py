@@ -17,18 +17,18 @@ import numpy as np
 
 from .loader import load_lazy
 from .files import atomic_write_text
-from .store import (REPACK_DIR, REPACK_SCHEMA, StoreError, manifest_checksum, source_digest,
+from .store import (REPACK_SCHEMA, StoreError, repack_dir, manifest_checksum, source_digest,
                     weight_files)
 
 
 def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int = 4096,
            progress=None) -> Path:
-    """Write `experts.bin` and `manifest.json` into `out` (default: MODEL/moestream-experts).
+    """Write `experts.bin` and `manifest.json` into `out` (default: `store.repack_dir`).
 
     `progress(items, label)` is a context manager that may wrap the layers (a progress bar).
     """
     model_dir = Path(model_dir)
-    out = Path(out) if out else model_dir / REPACK_DIR
+    out = Path(out) if out else repack_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False, repacked=False)
     layers = []

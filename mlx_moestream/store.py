@@ -41,6 +41,18 @@ REPACK_DIR = "moestream-experts"
 REPACK_SCHEMA = "mlx-moestream-repack"
 
 
+def repack_dir(model_dir: Path) -> Path:
+    """Where a model's repacked copy lives: MODEL/moestream-experts, or, for a model folder that
+    is not writable or ships inside this package (the embedded model), a folder of the user
+    cache named after the model's resolved path."""
+    model_dir = Path(model_dir).resolve()
+    package = Path(__file__).resolve().parent
+    if os.access(model_dir, os.W_OK) and package not in model_dir.parents:
+        return model_dir / REPACK_DIR
+    key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "mlx-moestream" / "repacked" / f"{model_dir.name}-{key}"
+
+
 class StoreError(ValueError):
     """A model's files cannot serve its experts; the message names the file or tensor."""
 
@@ -200,7 +212,7 @@ class ExpertStore:
         """`drop_page_cache`: after each read, tell the OS not to keep the pages (Linux
         POSIX_FADV_DONTNEED, macOS F_NOCACHE), so cached file pages do not quietly add a second
         copy of the experts on top of the budget. `repacked`: an expert-major copy made by
-        `repack` (default: MODEL/moestream-experts when present; False: none); used when its
+        `repack` (default: `repack_dir(model_dir)` when present; False: none); used when its
         manifest is valid, else ignored with a warning."""
         self.model_dir = Path(model_dir)
         self.drop_page_cache = drop_page_cache
@@ -217,7 +229,7 @@ class ExpertStore:
         self.checksums: list[np.ndarray | None] = []
         self.verified: list[np.ndarray | None] = []
         self.repacked: dict[str, dict] = {}
-        folder = Path(repacked) if repacked else self.model_dir / REPACK_DIR
+        folder = Path(repacked) if repacked else repack_dir(self.model_dir)
         if repacked or (repacked is None and (folder / "manifest.json").exists()):
             try:
                 manifest = read_manifest(folder, self.files)

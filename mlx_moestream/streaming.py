@@ -424,8 +424,8 @@ class Runtime:
         context = progress(reads, "read experts") if progress else nullcontext(reads)
         try:
             with context as items:
-                for (layer, _, _), read in zip(loads, items):
-                    self._count_read(layer, *read.result())
+                for read, (layer, _, _) in zip(items, loads):  # items first: the bar ends
+                    self._count_read(layer, *read.result())  # at 100%, not at its last step
         except BaseException:
             for read in reads:
                 read.cancel()

@@ -381,3 +381,24 @@ def test_replay_plot_without_sweep_is_a_usage_error(tmp_path):
     synthetic_trace(20, 2, 8, 2).save(tmp_path / "t.npz")
     out = _cli("replay", tmp_path / "t.npz", "--plot", tmp_path / "p.png", cwd=tmp_path)
     assert out.returncode == 2 and "--plot draws the --sweep" in out.stderr
+
+
+def test_progress_of_the_full_load_and_of_a_prewarm_runs_to_the_end(tiny_model, tmp_path):
+    """A bar only reaches 100% when its iterable is asked past the last item."""
+    from contextlib import contextmanager
+
+    finished = []
+
+    @contextmanager
+    def progress(items, label):
+        def walk():
+            yield from items
+            finished.append(label)
+        yield walk()
+
+    path = tiny_model("qwen3_moe")
+    model, _ = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    mlx_moestream.load(path, budget="100%", progress=progress)
+    mlx_moestream.load(path, budget="50%", profile=profile_path, progress=progress)
+    assert finished == ["read experts", "pre-warm p"]

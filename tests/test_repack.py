@@ -169,3 +169,17 @@ def test_verify_before_any_repack_says_there_is_no_copy(model_copy):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert f"no repacked copy in {path / 'moestream-experts'}: run `mlx-moestream repack` first" \
         in out.stderr
+
+
+def test_repacking_the_embedded_model_writes_to_the_user_cache_not_the_package(tmp_path,
+                                                                              monkeypatch):
+    from mlx_moestream.loader import resolve_model_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    embedded = resolve_model_path(None)
+    before = sorted(p.name for p in embedded.iterdir())
+    folder = repack(embedded)
+    assert tmp_path / ".cache" / "mlx-moestream" / "repacked" in folder.parents
+    assert sorted(p.name for p in embedded.iterdir()) == before
+    model, _ = mlx_moestream.load(None, budget="30%")
+    assert model.moestream.store.files[-1] == folder / "experts.bin"
