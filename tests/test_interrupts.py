@@ -15,20 +15,22 @@ import mlx_moestream
 
 
 def _interrupted(model, delay: float) -> bool:
-    """Run a generation with a SIGINT (what Ctrl-C sends) `delay` seconds in; whether it hit."""
+    """Run a generation with a SIGINT (what Ctrl-C sends) `delay` seconds in; whether it landed
+    before the generation ended. Nothing escapes: an interrupt that fires late lands here."""
     timer = threading.Timer(delay, _thread.interrupt_main)
-    timer.start()
+    completed = False
     try:
-        greedy_logits(model, decode_tokens=8)
-    except KeyboardInterrupt:
-        return True
-    finally:
-        timer.cancel()
-    try:  # the timer fired just after the generation: let its interrupt land here
-        time.sleep(0.05)
+        try:
+            timer.start()
+            greedy_logits(model, decode_tokens=8)
+            completed = True
+        finally:
+            timer.cancel()
+            timer.join()  # it has fired or never will
+        time.sleep(0.05)  # an interrupt raised just now is delivered here
     except KeyboardInterrupt:
         pass
-    return False
+    return not completed
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
