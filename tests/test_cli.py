@@ -75,3 +75,11 @@ def test_the_backend_neutral_core_imports_without_mlx():
             "mlx_moestream.replay, mlx_moestream.store, mlx_moestream.trace")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_chat_statistics_say_what_they_count(tiny_model, tmp_path):
+    out = run("chat", "--model", tiny_model("qwen3_moe"), "--prompt", "Hello there",
+              "--max-tokens", 8, "--budget", "50%", "--prefetch")
+    assert out.returncode == 0, out.stderr
+    assert "experts, session so far: hit rate" in out.stdout
+    assert "prefetch: " in out.stdout and "before -" not in out.stdout

@@ -183,3 +183,13 @@ def test_repacking_the_embedded_model_writes_to_the_user_cache_not_the_package(t
     assert sorted(p.name for p in embedded.iterdir()) == before
     model, _ = mlx_moestream.load(None, budget="30%")
     assert model.moestream.store.files[-1] == folder / "experts.bin"
+
+
+def test_a_copy_written_elsewhere_has_its_manifest_and_serves_the_model(model_copy, tmp_path,
+                                                                       reference):
+    path = model_copy("qwen3_moe")
+    out = repack(path, tmp_path / "elsewhere")
+    assert sorted(p.name for p in out.iterdir()) == ["experts.bin", "manifest.json"]
+    assert verify(out, path) == []
+    store = ExpertStore(path, repacked=out)
+    assert store.files[-1] == out / "experts.bin"
