@@ -594,11 +594,13 @@ class Runtime:
                     if slot is None:
                         continue
                     try:
-                        nbytes += self.store.read_expert(
-                            self.store_layer[layer], expert, self.pools[self.pool_of[layer]].slot(slot))
+                        read = self._read(layer, expert, slot)
                     except StoreError:
                         cache.discard(layer, expert)
+                        self.stats.read_errors += 1
                         raise
+                    self._count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
+                    nbytes += read[0]
                 self.warm[layer] += 1
                 loaded += 1
         for layer, expert in pins:

@@ -402,3 +402,13 @@ def test_progress_of_the_full_load_and_of_a_prewarm_runs_to_the_end(tiny_model, 
     mlx_moestream.load(path, budget="100%", progress=progress)
     mlx_moestream.load(path, budget="50%", profile=profile_path, progress=progress)
     assert finished == ["read experts", "pre-warm p"]
+
+
+def test_prewarm_reads_count_among_loads_and_bytes_read(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    model, _ = _session(path, budget="50%")
+    profile_path = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    warm, _ = mlx_moestream.load(path, budget="50%", profile=profile_path)
+    stats = mlx_moestream.stats(warm)
+    assert stats["loads"] == stats["prewarm"]["experts"] > 0
+    assert stats["bytes_read"] == stats["prewarm"]["bytes"]
