@@ -348,6 +348,26 @@ class ExpertStore:
             self._verify(layer, expert, dest)
         return nbytes
 
+    def read_layer(self, layer: int, dest: dict[str, np.ndarray]) -> int | None:
+        """Read every expert of a layer into `dest` ([experts, ...] buffers, one per tensor)
+        with one read per tensor, when each tensor holds its experts contiguously in one file
+        (stacked checkpoints); None, reading nothing, when it does not (per-expert checkpoints
+        and repacked copies read expert by expert)."""
+        tensors = self.layers[layer]
+        if self.blocks[layer] is not None or not all(
+                (t.files == t.files[0]).all() and (np.diff(t.offsets) == t.nbytes).all()
+                for t in tensors):
+            return None
+        self.open()
+        total = 0
+        for t in sorted(tensors, key=lambda t: int(t.offsets[0])):
+            nbytes = t.nbytes * len(t.offsets)
+            where = f"'{t.name}' of layer {layer} experts 0-{len(t.offsets) - 1}"
+            self._read_run(int(t.files[0]), int(t.offsets[0]), [memoryview(dest[t.name]).cast("B")],
+                           nbytes, where)
+            total += nbytes
+        return total
+
     def _verify(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> None:
         """A repacked expert's first read in a session is checked against the crc32 recorded
         at repack (about 0.2 ms per MiB here): a corrupt block is an error, never an input."""

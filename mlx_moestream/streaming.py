@@ -418,14 +418,17 @@ class Runtime:
         first token, with no host sync, and each call's routing is counted two tokens later.
         Ids outside [0, experts) (masked) map to expert 0's slot. `progress(items, label)` may
         wrap the reads, issued in file order on the I/O threads."""
-        loads = [(layer, expert, self.caches[self.pool_of[layer]].admit(layer, expert))
-                 for layer, l in enumerate(self.plan.layers) for expert in range(l.num_experts)]
-        reads = [self.io.submit(self._read, *load) for load in loads]
+        reads, layers = [], []
+        for layer, l in enumerate(self.plan.layers):
+            slots = [self.caches[self.pool_of[layer]].admit(layer, e) for e in range(l.num_experts)]
+            reads.append(self.io.submit(self._read_layer, layer, slots))
+            layers.append(layer)
         context = progress(reads, "read experts") if progress else nullcontext(reads)
         try:
             with context as items:
-                for read, (layer, _, _) in zip(items, loads):  # items first: the bar ends
-                    self._count_read(layer, *read.result())  # at 100%, not at its last step
+                for read, layer in zip(items, layers):  # items first: the bar ends at 100%
+                    for nbytes, seconds, experts in read.result():
+                        self._count_read(layer, nbytes, seconds, experts)
         except BaseException:
             for read in reads:
                 read.cancel()
@@ -471,10 +474,23 @@ class Runtime:
         nbytes = self.store.read_expert(self.store_layer[layer], expert, pool.slot(slot))
         return nbytes, time.perf_counter() - start
 
-    def _count_read(self, layer: int, nbytes: int, seconds: float) -> None:
+    def _read_layer(self, layer: int, slots: list[int]) -> list[tuple[int, float, int]]:
+        """Every expert of a layer into `slots`: one read per tensor when the slots follow the
+        experts in order and the file holds them so, else one read per expert. Returns
+        (bytes, seconds, experts) per read."""
+        start, pool = time.perf_counter(), self.pools[self.pool_of[layer]]
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            dest = {name: view[first : first + len(slots)] for name, view in pool.views.items()}
+            nbytes = self.store.read_layer(self.store_layer[layer], dest)
+            if nbytes is not None:
+                return [(nbytes, time.perf_counter() - start, len(slots))]
+        return [(*self._read(layer, e, s), 1) for e, s in enumerate(slots)]
+
+    def _count_read(self, layer: int, nbytes: int, seconds: float, experts: int = 1) -> None:
         self.stats.read_seconds[layer] += seconds
         self.stats.bytes_read[layer] += nbytes
-        self.stats.loads[layer] += 1
+        self.stats.loads[layer] += experts
 
     def _load(self, layer: int, cache: ExpertCache, loads: list[tuple[int, int]]) -> None:
         """Read the missing experts of a call, concurrently when there are several."""

@@ -186,26 +186,21 @@ def test_a_file_cut_while_a_full_budget_reads_every_expert_fails_the_load_naming
         model_copy, monkeypatch):
     path = model_copy()
     shard = path / "model.safetensors"
-    read_expert = ExpertStore.read_expert
+    read_layer = ExpertStore.read_layer
     cut = {}
 
-    def cut_then_read(store, layer, expert, dest):
-        if (layer, expert) == (1, 7):  # the file is cut inside layer 1's expert 7
-            cut.update(store=store, at=int(store.layers[1][-1].offsets[7]))
+    def cut_then_read(store, layer, dest):
+        if layer == 1:  # the file is cut inside layer 1's last tensor
+            cut.update(at=int(store.layers[1][-1].offsets[7]))
             with open(shard, "r+b") as f:
                 f.truncate(cut["at"])
-        return read_expert(store, layer, expert, dest)
+        return read_layer(store, layer, dest)
 
-    monkeypatch.setattr(ExpertStore, "read_expert", cut_then_read)
-    with pytest.raises(StoreError, match=r"model\.safetensors: (cannot read|changed on disk)"
-                       ) as error:
+    monkeypatch.setattr(ExpertStore, "read_layer", cut_then_read)
+    with pytest.raises(StoreError, match=r"model\.safetensors: (cannot read '.*' of layer 1 "
+                                         r"experts 0-7|changed on disk)"):
         mlx_moestream.load(path, budget="100%")
-    # reads run concurrently: the first to fail may be one whose bytes the cut took, or any
-    # that ended after the cut (the file changed under it)
-    if "cannot read" in str(error.value):
-        layer, expert = map(int, re.search(r"of layer (\d+) expert (\d+)", str(error.value)).groups())
-        tensors = cut["store"].layers[layer]
-        assert any(t.offsets[expert] + t.nbytes > cut["at"] for t in tensors)
+    assert cut  # reads run concurrently: another layer's may be the first to see the change
 
 
 def test_read_error_names_file_and_expert_and_the_session_continues(model_copy, monkeypatch):
