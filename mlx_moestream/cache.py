@@ -202,6 +202,16 @@ class ExpertCache:
         self.policy_of[layer].warm([int(self.key_of[layer, expert])])
         return slot
 
+    def admit_layer(self, layer: int) -> list[int]:
+        """A full-budget load: give every expert of `layer` a free slot, in expert order, in
+        one step (as many `admit`s would)."""
+        if self.resident_in(layer) or len(self.free) < self.num_experts:
+            raise ValueError(f"layer {layer} cannot take a slot for each of its experts")
+        slots = [self.free.pop() for _ in range(self.num_experts)]
+        self.slot_of[layer] = slots
+        self.policy_of[layer].warm(self.key_of[layer].tolist())
+        return slots
+
     def prewarm_plan(self, profile: Profile, share: float, pin_share: float, top_k: int
                      ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Seed the policies with `profile`'s counts (each layer's hottest expert counting

@@ -419,8 +419,8 @@ class Runtime:
         Ids outside [0, experts) (masked) map to expert 0's slot. `progress(items, label)` may
         wrap the reads, issued in file order on the I/O threads."""
         reads, layers = [], []
-        for layer, l in enumerate(self.plan.layers):
-            slots = [self.caches[self.pool_of[layer]].admit(layer, e) for e in range(l.num_experts)]
+        for layer in range(self.plan.num_layers):
+            slots = self.caches[self.pool_of[layer]].admit_layer(layer)
             reads.append(self.io.submit(self._read_layer, layer, slots))
             layers.append(layer)
         context = progress(reads, "read experts") if progress else nullcontext(reads)
