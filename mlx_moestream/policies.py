@@ -435,6 +435,7 @@ class LayerCyclic(Policy):
         self._least_old[layer] = np.inf
 
     def _latest_changed(self, layer: int) -> None:
+        """A key of the layer's latest call left: find its least count again (k keys)."""
         state, count = self._state, self._count
         least, least_key = np.inf, -1
         for key in self.latest[layer]:
