@@ -300,9 +300,10 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
                 raise ValueError(
                     f"profile '{profile.workload}' has {profile.counts.shape[0]} layers x "
                     f"{profile.counts.shape[1]} experts, the trace {trace.layers} x {trace.num_experts}")
-        if sweep:
-            results = rp.sweep(trace, sorted(POLICIES), [0.05, 0.1, 0.25, 0.5, 0.75, 1.0],
-                               per_layer, profile)
+        if sweep:  # the capacities that hold one token's experts
+            capacities = [c for c in (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
+                          if rp.fits(trace, c, per_layer)]
+            results = rp.sweep(trace, sorted(POLICIES), capacities or [1.0], per_layer, profile)
         else:
             results = [rp.replay(trace, policy, _capacity(capacity), per_layer, profile)]
     except ValueError as e:

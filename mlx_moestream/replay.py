@@ -146,6 +146,15 @@ def trace_profile(trace: Trace, tokens: np.ndarray, workload: str) -> Profile:
                    stats.tokens, stats.half_life_tokens, names)
 
 
+def fits(trace: Trace, capacity: int | float, per_layer: bool | Sequence[float] = False) -> bool:
+    """Whether `capacity` holds one token's experts (see `capacity_slots`)."""
+    try:
+        capacity_slots(trace, capacity, per_layer)
+    except ValueError:
+        return False
+    return True
+
+
 def plot_sweep(results: list[dict], path: str | Path) -> bool:
     """Write hit rate against capacity, one line per policy, as a PNG at `path`.
 

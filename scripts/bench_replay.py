@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_moestream.files import atomic_write, atomic_write_text  # noqa: E402
 from mlx_moestream.policies import DEFAULT_POLICY  # noqa: E402
-from mlx_moestream.replay import capacity_slots, sweep  # noqa: E402
+from mlx_moestream.replay import fits, sweep  # noqa: E402
 from mlx_moestream.trace import Trace  # noqa: E402
 
 ONLINE = ["lru", "lfu", "slru", "wlfu", DEFAULT_POLICY]
@@ -38,10 +38,10 @@ def bench_trace(trace: Trace, capacities: list[float]) -> list[dict]:
     Belady's, the best baseline and the share of the gap the default closes."""
     rows = {c: {"capacity": c, "hit_rate": {}, "accesses_per_second": {}} for c in capacities}
     for per_layer in (False, True):
-        fits = [c for c in capacities if _fits(trace, c, per_layer)]
-        for r in sweep(trace, ONLINE + ([] if per_layer else ["belady"]), fits, per_layer):
-            row = rows[fits[[round(f * trace.layers * trace.num_experts) for f in fits]
-                            .index(r["capacity"])]]
+        usable = [c for c in capacities if fits(trace, c, per_layer)]
+        for r in sweep(trace, ONLINE + ([] if per_layer else ["belady"]), usable, per_layer):
+            row = rows[usable[[round(f * trace.layers * trace.num_experts) for f in usable]
+                                .index(r["capacity"])]]
             name = r["policy"] + ("/layer" if per_layer else "")
             row["hit_rate"][name] = round(r["hit_rate"], 4)
             row["accesses_per_second"][name] = round(r["accesses_per_second"])
@@ -54,14 +54,6 @@ def bench_trace(trace: Trace, capacities: list[float]) -> list[dict]:
         row["vs_best_other_points"] = round(100 * (rates[DEFAULT_POLICY] - rates[best]), 2)
         row["vs_lru_points"] = round(100 * (rates[DEFAULT_POLICY] - rates["lru"]), 2)
     return list(rows.values())
-
-
-def _fits(trace: Trace, capacity: float, per_layer: bool) -> bool:
-    try:
-        capacity_slots(trace, capacity, per_layer)
-    except ValueError:
-        return False
-    return True
 
 
 def markdown(results: dict[str, dict]) -> str:

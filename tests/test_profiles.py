@@ -412,3 +412,25 @@ def test_prewarm_reads_count_among_loads_and_bytes_read(tiny_model, tmp_path):
     stats = mlx_moestream.stats(warm)
     assert stats["loads"] == stats["prewarm"]["experts"] > 0
     assert stats["bytes_read"] == stats["prewarm"]["bytes"]
+
+
+def test_replay_sweep_skips_capacities_below_one_token(tmp_path):
+    from mlx_moestream.trace import synthetic_trace
+
+    synthetic_trace(20, 2, 8, 2).save(tmp_path / "t.npz")  # 5% of 16 slots is below top-2
+    out = _cli("replay", tmp_path / "t.npz", "--sweep", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert min(r["capacity"] for r in json.loads(out.stdout)) == 2
+
+
+def test_replay_plot_without_matplotlib_is_an_error_that_says_so(tmp_path):
+    from mlx_moestream.trace import synthetic_trace
+
+    synthetic_trace(20, 2, 8, 2).save(tmp_path / "t.npz")
+    code = ("import sys; sys.modules['matplotlib'] = sys.modules['matplotlib.figure'] = None; "
+            "from mlx_moestream.cli import main; main()")
+    out = subprocess.run([sys.executable, "-c", code, "replay", str(tmp_path / "t.npz"),
+                          "--sweep", "--plot", str(tmp_path / "p.png")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 1 and "--plot needs matplotlib" in out.stderr
+    assert not (tmp_path / "p.png").exists()
