@@ -52,11 +52,13 @@ class critical:
     def __exit__(self, *exc) -> None:
         if threading.get_ident() != _MAIN:
             return
+        pending = _Deferral.pending if _Deferral.depth == 1 else None
+        if pending:
+            _Deferral.pending = None  # before the step ends: a later SIGINT is raised at once
         _Deferral.depth -= 1
-        if not _Deferral.depth and _Deferral.pending:
-            signum, frame = _Deferral.pending
+        if pending:
             _Deferral.pending = None
-            _Deferral.previous(signum, frame)
+            _Deferral.previous(*pending)
 
 
 CRITICAL = critical()

@@ -378,6 +378,8 @@ class LayerCyclic(Policy):
 
     def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         key_list = keys.tolist()
+        if not key_list:  # every expert of the call was pinned: nothing for the policy
+            return
         layer = key_list[0] // self.experts
         state, count, weight = self._state, self._count, self.weight
         previous, current = self.latest[layer], set(key_list)
@@ -405,9 +407,12 @@ class LayerCyclic(Policy):
             if len(self.pending[layer]) > 8:
                 self._join(layer)
         self._least_latest[layer], self.least_key[layer] = least, least_key
+        was = self.position
         following = self.position = layer + 1 if layer + 1 < len(self.latest) else 0
         self._note(layer)
         self._note(following)
+        if was != layer:  # a layer was skipped, or calls interleave: `was` is current no more
+            self._note(was)
 
     def _join(self, layer: int) -> None:
         """Push the keys that left the layer's latest since the last join onto its heap, and
@@ -446,9 +451,11 @@ class LayerCyclic(Policy):
     def warm(self, keys: list[int]) -> None:
         for key in keys:
             self._state[key] = 2
-            heappush(self.old[key // self.experts], (self._count[key], key))
+            if key not in self.latest[key // self.experts]:  # else it ranks as latest again
+                heappush(self.old[key // self.experts], (self._count[key], key))
         for layer in {key // self.experts for key in keys}:
             self._join(layer)
+            self._latest_changed(layer)
             self._note(layer)
 
     def insert(self, keys: list[int]) -> None:
@@ -551,6 +558,8 @@ class LayerCyclic(Policy):
         self.count *= factor
         self.uses = [u * factor for u in self.uses]
         self.chances = [c * factor for c in self.chances]
+        if not min(self.chances) > 0:  # a tick of over a thousand half-lives: start afresh
+            self.uses, self.chances = [1.0, 1.0], [2.0, 2.0]
         for layer, heap in enumerate(self.old):
             latest = set(self.latest[layer])
             keys = {key for _, key in heap}.union(*self.pending[layer]).difference(latest)

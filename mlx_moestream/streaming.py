@@ -451,7 +451,8 @@ class Runtime:
             return
         layers, me = self.plan.num_layers, threading.current_thread()
         with self.lock:
-            for thread in [t for t in self.deferred if t is me or not t.is_alive()]:
+            threads = list(self.deferred)  # one step: other threads may add theirs meanwhile
+            for thread in [t for t in threads if t is me or not t.is_alive()]:
                 calls = self.deferred.pop(thread)
                 cut = (len(calls) - keep) // layers * layers if thread is me else len(calls)
                 if cut < len(calls) and thread is me:
@@ -563,7 +564,7 @@ class Runtime:
         gate of `_pays`."""
         predicted = self.predicted.pop(layer)
         routed = set(experts.tolist())
-        misses = self.predicted_misses.pop(layer)
+        misses = self.predicted_misses.pop(layer, set())  # unset if Ctrl-C fell in between
         if tally:
             self.misses_predicted[layer] += len(misses)
             self.misses_routed[layer] += len(misses & routed)

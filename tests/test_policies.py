@@ -578,3 +578,31 @@ def _miss(policy, *keys: int) -> None:
 def _victim(policy, protected: set[int]) -> int:
     (key,) = policy.victims(1, protected)
     return key
+
+
+def test_cyclic_takes_a_call_whose_experts_are_all_pinned():
+    cache = _cache(4, layers=2, policy="cyclic")
+    _request(cache, 0, [0, 1])
+    cache.pin(0, 0)
+    cache.tick(1)
+    assert _request(cache, 0, [0]) == []  # the policy sees an empty call
+
+
+def test_cyclic_survives_one_tick_of_many_half_lives():
+    cache = _cache(4, layers=2, policy="cyclic:half_life=1")
+    _request(cache, 0, [0, 1])
+    cache.tick(40_000)  # one forward call of 40k tokens
+    _request(cache, 1, [2, 3])
+    _request(cache, 0, [2, 3])
+    assert len(_resident(cache)) == 4
+
+
+def test_a_prewarm_share_below_what_is_resident_reads_nothing_more():
+    from mlx_moestream.replay import trace_profile
+
+    trace = synthetic_trace(40, 2, 8, 2, seed=4)
+    cache = _cache(8, layers=2, num_experts=8, policy="cyclic")
+    for layer in range(2):
+        _request(cache, layer, [0, 1, 2])
+    picks, pins = cache.prewarm_plan(trace_profile(trace, np.arange(40), "w"), 0.5, 0.0, 2)
+    assert picks == [] and pins == []
