@@ -38,6 +38,8 @@ PER_EXPERT_NAMES = {
 
 
 REPACK_DIR = "moestream-experts"
+# A whole stacked tensor is read in pieces of at most this: macOS fails reads past 2 GiB.
+READ_CHUNK_BYTES = 2**30
 REPACK_SCHEMA = "mlx-moestream-repack"
 
 
@@ -363,8 +365,11 @@ class ExpertStore:
         for t in sorted(tensors, key=lambda t: int(t.offsets[0])):
             nbytes = t.nbytes * len(t.offsets)
             where = f"'{t.name}' of layer {layer} experts 0-{len(t.offsets) - 1}"
-            self._read_run(int(t.files[0]), int(t.offsets[0]), [memoryview(dest[t.name]).cast("B")],
-                           nbytes, where)
+            buf = memoryview(dest[t.name]).cast("B")
+            for at in range(0, nbytes, READ_CHUNK_BYTES):
+                size = min(READ_CHUNK_BYTES, nbytes - at)
+                self._read_run(int(t.files[0]), int(t.offsets[0]) + at, [buf[at : at + size]],
+                               size, where)
             total += nbytes
         return total
 

@@ -1,5 +1,6 @@
 """The store finds each expert's bytes and reads exactly them."""
 
+import mlx_moestream
 import numpy as np
 from safetensors.numpy import load_file
 
@@ -45,3 +46,21 @@ def test_sharded_model_indexes_every_shard(tiny_model):
     store = ExpertStore(tiny_model("qwen3_moe", shards=3))
     assert len(store.files) == 3
     assert "model.layers.1.mlp.switch_mlp.down_proj.weight" in store.tensors
+
+
+def test_a_whole_layer_read_in_small_pieces_equals_the_expert_reads(tiny_model, monkeypatch):
+    from mlx_moestream import store as store_module
+
+    monkeypatch.setattr(store_module, "READ_CHUNK_BYTES", 4096)
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="100%")
+    runtime = model.moestream
+    pool = runtime.pools[0]
+    for layer in range(len(runtime.plan.layers)):
+        for expert in (0, 5):
+            want = {n: v.copy() for n, v in pool.slot(runtime.caches[0].slot_of[layer, expert]).items()}
+            got = pool.slot(0)
+            saved = {n: v.copy() for n, v in got.items()}
+            runtime.store.read_expert(runtime.store_layer[layer], expert, got)
+            assert all(np.array_equal(want[n], got[n]) for n in want)
+            for n, v in saved.items():
+                got[n][...] = v
