@@ -223,10 +223,15 @@ class ExpertCache:
             raise ValueError(f"pre-warm and pin shares must be in [0, 1] of the budget, got "
                              f"{share} and {pin_share}")
         layers = self.policy_of
-        limits = [max(0, self.capacity(l) - self.resident_in(l)) if self.per_layer
-                  else self.capacity(l) if l in layers else 0 for l in range(len(self.slot_of))]
-        hot = [(l, e) for l, e in profile.hottest(max(0, int(self.num_slots * share)
-                                                      - self.resident), limits)
+
+        def room(layer: int) -> int:  # experts the layer may still take
+            if layer not in layers:
+                return 0
+            taken = self.resident_in(layer) if self.per_layer else 0
+            return max(0, self.capacity(layer) - taken)
+
+        wanted = max(0, int(self.num_slots * share) - self.resident)
+        hot = [(l, e) for l, e in profile.hottest(wanted, [room(l) for l in range(len(self.slot_of))])
                if self.slot_of[l, e] < 0]
         pins, pinned = [], np.zeros(len(self.slot_of), np.int64)
         for layer, expert in hot[: int(self.num_slots * pin_share)]:

@@ -120,10 +120,11 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                 answer(prompt)
             else:
                 _interactive(answer)
-    except (KeyboardInterrupt, _Terminated) as e:
-        click.echo(f"\n[{'terminated' if isinstance(e, _Terminated) else 'interrupted'}]")
-        failed = failed or (click.ClickException("terminated") if isinstance(e, _Terminated)
-                            else None)
+    except KeyboardInterrupt:
+        click.echo("\n[interrupted]")
+    except _Terminated:
+        click.echo("\n[terminated]")
+        failed = click.ClickException("terminated")
     except ValueError as e:  # a read error, say: the outputs below are still written
         failed = e
     finally:

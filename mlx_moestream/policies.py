@@ -533,7 +533,7 @@ class LayerCyclic(Policy):
         self._state[key] = 0
         if was != 2:
             return
-        if key == self.least_key[layer] or key in self.latest[layer]:
+        if key in self.latest[layer]:
             self._latest_changed(layer)
         else:
             self._join(layer)

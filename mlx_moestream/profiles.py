@@ -39,6 +39,12 @@ class Profile:
     layer_names: list[str]
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
+    @classmethod
+    def of(cls, stats, workload: str, model: dict) -> "Profile":
+        """The profile of a session's `stats.Stats` (what `save_profile` writes)."""
+        return cls(workload, model, stats.activations.copy(), stats.decayed.copy(), stats.tokens,
+                   stats.half_life_tokens, list(stats.layer_names))
+
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,

@@ -142,8 +142,7 @@ def trace_profile(trace: Trace, tokens: np.ndarray, workload: str) -> Profile:
             stats.route(layer, np.array([i for i in ids if i >= 0], np.int64))
     model = {"model_type": "trace", "moe_layers": trace.layers, "experts": trace.num_experts,
              "top_k": trace.top_k, "fingerprint": "trace"}
-    return Profile(workload, model, stats.activations.copy(), stats.decayed.copy(),
-                   stats.tokens, stats.half_life_tokens, names)
+    return Profile.of(stats, workload, model)
 
 
 def fits(trace: Trace, capacity: int | float, per_layer: bool | Sequence[float] = False) -> bool:

@@ -268,7 +268,8 @@ class StreamingExperts(nn.Module):
             chunk = experts[start : start + cap]
             end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
             pos = order[done:end]
-            slots = self.runtime.request(self.layer, chunk, flat[pos])
+            with CRITICAL:
+                slots = self.runtime.request(self.layer, chunk, flat[pos])
             y = self.inner(rows[mx.array(pos // k)], mx.array(slots[:, None]))[:, 0]
             mx.eval(y)  # the next chunk may overwrite these slots
             outs.append(y)
@@ -463,10 +464,9 @@ class Runtime:
     def request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`)."""
         cache = self.caches[self.pool_of[layer]]
-        with CRITICAL:
-            loads = cache.request(layer, experts)
-            if loads:
-                self._load(layer, cache, loads)
+        loads = cache.request(layer, experts)  # callers hold CRITICAL: no half-made load
+        if loads:
+            self._load(layer, cache, loads)
         return cache.slot_of[layer][ids]
 
     def _read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
@@ -633,9 +633,7 @@ class Runtime:
     def profile(self, workload: str) -> Profile:
         """This session's routing so far, to pre-warm later sessions of the same workload."""
         self.settle_deferred()
-        s = self.stats
-        return Profile(workload, self.plan.identity, s.activations.copy(), s.decayed.copy(),
-                       s.tokens, s.half_life_tokens, list(s.layer_names))
+        return Profile.of(self.stats, workload, self.plan.identity)
 
     def _prewarm_effect(self, hits: int, misses: int) -> dict:
         """The pre-warm's record with the hit rate of the accesses before it and since."""

@@ -25,6 +25,12 @@ def _session(path, **kwargs):
     return model, text
 
 
+def _saved_profile(path, tmp_path, budget):
+    """The profile of a short session on `path`, saved as tmp_path/p.json."""
+    model, _ = _session(path, budget=budget)
+    return mlx_moestream.save_profile(model, tmp_path / "p.json")
+
+
 def test_profile_counts_every_routed_token(tiny_model, tmp_path):
     model, _ = _session(tiny_model("qwen3_moe"), budget="50%")
     saved = Profile.load(mlx_moestream.save_profile(model, tmp_path / "p.json"))
@@ -53,8 +59,7 @@ def test_profile_save_is_atomic(tiny_model, tmp_path, monkeypatch):
 
 def test_prewarm_loads_the_hottest_experts(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    first, _ = _session(path, budget="25%")
-    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "25%")
     model, _ = mlx_moestream.load(path, budget="25%", profile=profile_path)
     slot_of = model.moestream.caches[0].slot_of
     resident = {(l, e) for l in range(2) for e in range(8) if slot_of[l, e] >= 0}
@@ -73,8 +78,7 @@ def test_prewarm_raises_hit_rate_and_keeps_outputs_identical(tiny_model, tmp_pat
 
 def test_prewarm_mid_session_splits_the_hit_rate_at_that_point(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    first, _ = _session(path, budget="50%")
-    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "50%")
     model, tokenizer = mlx_moestream.load(path, budget="50%")
     mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=8)
     before = mlx_moestream.stats(model)
@@ -97,8 +101,7 @@ def test_prewarm_at_load_has_no_hit_rate_before(tiny_model, tmp_path):
 
 def test_prewarm_share_limits_the_warm_set(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    first, _ = _session(path, budget="50%")
-    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "50%")
     model, _ = mlx_moestream.load(path, budget="50%", profile=profile_path, prewarm_share=0.5)
     assert mlx_moestream.stats(model)["prewarm"]["experts"] == 4
 
@@ -229,8 +232,7 @@ def test_replay_of_a_malformed_trace_is_a_clear_error(tmp_path):
 
 def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    first, text = _session(path, budget="50%")
-    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "50%")
     model, tokenizer = mlx_moestream.load(path, budget="50%", profile=profile_path, pin_share=0.5)
     cache = model.moestream.caches[0]
     pinned = {(l, e) for l in range(2) for e in range(8) if cache.pinned[l * 8 + e]}
@@ -254,8 +256,7 @@ def test_per_layer_split_follows_the_profile_and_stays_exact(tiny_model, tmp_pat
 
 def test_replay_prewarms_the_experts_that_load_prewarms(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    first, _ = _session(path, budget="25%")
-    profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "25%")
     model, _ = mlx_moestream.load(path, budget="25%", profile=profile_path)
     slot_of = model.moestream.caches[0].slot_of
     # one token routed to exactly the experts that load() pre-warmed
@@ -284,8 +285,7 @@ def test_a_profile_of_another_shape_is_refused_even_with_the_right_fingerprint(t
 @pytest.mark.parametrize("share, pin_share", [(-1.0, 0.0), (1.5, 0.0), (1.0, -0.5)])
 def test_prewarm_shares_outside_zero_to_one_are_refused(tiny_model, tmp_path, share, pin_share):
     path = tiny_model("qwen3_moe")
-    model, _ = _session(path, budget="50%")
-    profile_path = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "50%")
     with pytest.raises(ValueError, match=r"shares must be in \[0, 1\]"):
         mlx_moestream.load(path, budget="50%", profile=profile_path, prewarm_share=share,
                            pin_share=pin_share)
@@ -397,8 +397,7 @@ def test_progress_of_the_full_load_and_of_a_prewarm_runs_to_the_end(tiny_model, 
         yield walk()
 
     path = tiny_model("qwen3_moe")
-    model, _ = _session(path, budget="50%")
-    profile_path = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "50%")
     mlx_moestream.load(path, budget="100%", progress=progress)
     mlx_moestream.load(path, budget="50%", profile=profile_path, progress=progress)
     assert finished == ["read experts", "pre-warm p"]
@@ -406,8 +405,7 @@ def test_progress_of_the_full_load_and_of_a_prewarm_runs_to_the_end(tiny_model, 
 
 def test_prewarm_reads_count_among_loads_and_bytes_read(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    model, _ = _session(path, budget="50%")
-    profile_path = mlx_moestream.save_profile(model, tmp_path / "p.json")
+    profile_path = _saved_profile(path, tmp_path, "50%")
     warm, _ = mlx_moestream.load(path, budget="50%", profile=profile_path)
     stats = mlx_moestream.stats(warm)
     assert stats["loads"] == stats["prewarm"]["experts"] > 0
