@@ -11,9 +11,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .policies import DEFAULT_POLICY, LRU, POLICIES, Policy, make_policy  # noqa: F401
+from .policies import DEFAULT_POLICY, Policy, make_policy
 from .profiles import Profile
-from .stats import Stats
 
 # A profile's hottest expert in a layer starts as if used this many times recently: enough to
 # outweigh one-off live misses, few enough that a wrong profile's experts lose to the live
@@ -70,6 +69,8 @@ class ExpertCache:
     With one policy for all layers the budget is global; with `layer_slots` (see `split_slots`)
     each layer owns a policy and at most `layer_slots[layer]` slots. `policy` is a name from
     `POLICIES` or a factory taking the capacity (replay passes a `Belady` that knows the future).
+    `num_layers` counts every layer of the model (keys are global); `layers` are this pool's.
+    The cache counts nothing: each call reports its hits, loads and evicted keys to the caller.
     """
 
     def __init__(
@@ -77,19 +78,15 @@ class ExpertCache:
         num_slots: int,
         layers: list[int],
         num_experts: int,
-        stats: Stats,
+        num_layers: int,
         policy: str | Callable[[int], Policy] = DEFAULT_POLICY,
         layer_slots: list[int] | None = None,
     ):
         self.num_slots = num_slots
         self.num_experts = num_experts
-        self.stats = stats
-        num_layers = len(stats.layer_names)
         self.slot_of = np.full((num_layers, num_experts), -1, np.int32)
-        # the arrays written one item at a time per call, as memoryviews: half numpy's cost
+        # written one item at a time per call, as a memoryview: half numpy's cost
         self.slot_by_key = memoryview(self.slot_of.reshape(-1))  # slot_of, indexed by key
-        self._hits, self._misses = memoryview(stats.hits), memoryview(stats.misses)
-        self._evictions = memoryview(stats.evictions)
         self.key_of = np.arange(num_layers * num_experts).reshape(num_layers, num_experts)
         self.free = list(range(num_slots - 1, -1, -1))
         self.pinned = np.zeros(num_layers * num_experts, np.bool_)
@@ -118,68 +115,82 @@ class ExpertCache:
         pinned = self.pinned_count[layer] if self.per_layer else self.pinned_count.sum()
         return self.limit[layer] - int(pinned)
 
-    def request(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]]:
+    def request(self, layer: int, experts: np.ndarray) -> tuple[list[tuple[int, int]], int, list[int]]:
         """Make `experts` (distinct, at most `capacity(layer)`) resident.
 
-        Returns the (expert, slot) pairs the caller must load before computing. A call names a
-        handful of experts, so past the one gather of their slots the work is on plain lists:
-        each numpy call on a tiny array costs more than the Python loop it replaces.
+        Returns the (expert, slot) pairs the caller must load before computing (its misses),
+        the number of hits, and the keys evicted for the loads. A call names a handful of
+        experts, so past the one gather of their slots the work is on plain lists: each numpy
+        call on a tiny array costs more than the Python loop it replaces.
         """
         policy = self.policy_of[layer]
         keys = self.key_of[layer][experts]
+        pinned_hits = 0
         if self.any_pinned:  # pinned keys are outside the policy
             unpinned = ~self.pinned[keys]
             keys, experts = keys[unpinned], experts[unpinned]
-            self._hits[layer] += int((~unpinned).sum())
+            pinned_hits = len(unpinned) - len(keys)
         slots = self.slot_of[layer][experts].tolist()
         if -1 not in slots:  # all resident: the hot path
-            self._hits[layer] += len(slots)
             policy.access(keys)
-            return []
+            return [], pinned_hits + len(slots), []
         key_list, expert_list = keys.tolist(), experts.tolist()
         missing = [i for i, s in enumerate(slots) if s < 0]
-        self._hits[layer] += len(slots) - len(missing)
-        self._misses[layer] += len(missing)
         new = [key_list[i] for i in missing]
-        loads = self._place(layer, policy, [expert_list[i] for i in missing], new, set(key_list))
+        loads, evicted = self._place(layer, policy, [expert_list[i] for i in missing], new,
+                                     set(key_list))
         policy.access(keys, new)
-        return loads
+        return loads, pinned_hits + len(slots) - len(missing), evicted
 
-    def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]) -> list[tuple[int, int]]:
+    def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]
+                 ) -> tuple[list[tuple[int, int]], list[int]]:
         """Make predicted `experts` resident ahead of need, through the policy like any load.
 
-        Counts no hit or miss and leaves resident experts untouched; never evicts a key in
-        `protected` (those a pending computation still reads). The policy ranks the new keys as
-        unused until a call routes to them. Returns the loads to issue.
+        Leaves resident experts untouched; never evicts a key in `protected` (those a pending
+        computation still reads). The policy ranks the new keys as unused until a call routes
+        to them. Returns the loads to issue and the keys evicted for them.
         """
-        experts = experts[self.slot_of[layer][experts] < 0].tolist()
+        experts = self.missing(layer, experts).tolist()
         keys = [layer * self.num_experts + e for e in experts]
         policy = self.policy_of[layer]
-        loads = self._place(layer, policy, experts, keys, protected | set(keys))
+        placed = self._place(layer, policy, experts, keys, protected | set(keys))
         policy.insert(keys)
-        return loads
+        return placed
 
     def _place(self, layer: int, policy: Policy, experts: list[int], keys: list[int],
-               protected: set[int]) -> list[tuple[int, int]]:
+               protected: set[int]) -> tuple[list[tuple[int, int]], list[int]]:
         """Give non-resident `experts` slots: free ones first, then the policy's victims (one
-        batch for the whole call). Returns the (expert, slot) pairs to load."""
+        batch for the whole call). Returns the (expert, slot) pairs to load and the victims."""
         n = len(experts)
         if not n:
-            return []
+            return [], []
         free = min(n, len(self.free))
         if self.per_layer:
             free = max(0, min(free, self.limit[layer] - self.resident_in(layer)))
         slots = [self.free.pop() for _ in range(free)]
         slot_by_key = self.slot_by_key
-        if free < n:
-            evictions, num_experts = self._evictions, self.num_experts
-            for victim in policy.victims(n - free, protected):
-                slots.append(slot_by_key[victim])
-                slot_by_key[victim] = -1
-                evictions[victim // num_experts] += 1
+        victims = policy.victims(n - free, protected) if free < n else []
+        for victim in victims:
+            slots.append(slot_by_key[victim])
+            slot_by_key[victim] = -1
         for key, slot in zip(keys, slots):
             slot_by_key[key] = slot
-        return list(zip(experts, slots))
+        return list(zip(experts, slots)), victims
+
+    def slots(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The slots of resident `experts` of `layer` (-1 where not resident)."""
+        return self.slot_of[layer][experts]
+
+    def missing(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Those of `experts` that are not resident."""
+        return experts[self.slot_of[layer][experts] < 0]
+
+    def holds_layer(self, layer: int) -> bool:
+        """Whether every expert of `layer` is resident."""
+        return bool((self.slot_of[layer] >= 0).all())
+
+    def pinned_in(self, layer: int) -> int:
+        return int(self.pinned_count[layer])
 
     def discard(self, layer: int, expert: int) -> None:
         """Forget a resident expert whose load failed, so its slot is never read as valid."""

@@ -18,8 +18,10 @@ from .profiles import Profile
 from .profiles import find as find_profile
 from .profiles import save_target as profile_target
 from .trace import Trace, TraceRecorder
+from .mlx_backend import MLXSlotPool, attach, plan_model
+from .plan import ModelPlan
+from .runtime import Runtime
 from .store import ExpertStore
-from .streaming import ModelPlan, Runtime, plan_model
 
 # Files a model needs; the hub may hold much more (other formats, originals).
 HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
@@ -125,12 +127,10 @@ def load(
         profile = _as_profile(profile)
         profile.check_model(plan.identity)
     weights = profile.working_set() if per_layer and profile is not None else None
-    runtime = Runtime(plan, store, budget_bytes, policy, window_tokens, per_layer, weights,
-                      prefetch)
-    runtime.attach(lazy_model)
+    runtime = Runtime(plan, store, budget_bytes, MLXSlotPool, policy, window_tokens, per_layer,
+                      weights)
+    attach(runtime, lazy_model, prefetch, progress)
     mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
-    if not runtime.reuses_slots:
-        runtime.read_all(progress)
     if profile is not None:
         runtime.prewarm(profile, prewarm_share, pin_share, progress)
     return lazy_model, tokenizer
@@ -171,14 +171,14 @@ def run_text(model: nn.Module, tokenizer: TokenizerWrapper, text: str,
 def start_trace(model: nn.Module) -> None:
     """Record the routing of every following forward call (see `save_trace`)."""
     runtime = runtime_of(model)
-    runtime.settle_deferred()
+    runtime.count_deferred()
     runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
 
 
 def save_trace(model: nn.Module, path: str | Path) -> Trace:
     """Write the routing recorded since `start_trace` as a .npz trace (atomically)."""
     runtime = runtime_of(model)
-    runtime.settle_deferred()
+    runtime.count_deferred()
     recorder = runtime.recorder
     if recorder is None:
         raise ValueError("no trace is being recorded: call start_trace(model) first")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .loader import load_lazy
 from .files import atomic_write_text
 from .store import (REPACK_SCHEMA, StoreError, repack_dir, manifest_checksum, source_digest,
                     weight_files)
@@ -30,6 +29,8 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
     model_dir = Path(model_dir)
     out = Path(out) if out else repack_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from .loader import load_lazy  # mlx builds the plan; importing repack needs no mlx
+
     _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False, repacked=False)
     layers = []
     tmp = out / "experts.bin.tmp"

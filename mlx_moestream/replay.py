@@ -209,20 +209,23 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
         weights = np.ones(layers) if isinstance(per_layer, bool) else per_layer
         layer_slots = split_slots(slots, weights, trace.top_k, num_experts)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
-    cache = ExpertCache(slots, list(range(layers)), num_experts, stats, policy, layer_slots)
+    cache = ExpertCache(slots, list(range(layers)), num_experts, layers, policy, layer_slots)
     if profile is not None:
         picks, _ = cache.prewarm_plan(profile, 1.0, 0.0, trace.top_k)
         for layer, expert in picks:
             cache.admit(layer, expert)
     hits = np.zeros(trace.tokens, np.int64)
-    request, tick, requests, total_hits = cache.request, cache.tick, prepared.requests, stats.hits
+    request, tick, count, requests = cache.request, cache.tick, stats.count_request, prepared.requests
     for t in range(trace.tokens):
         tick(1)
+        token_hits = 0
         for layer, experts in enumerate(requests[t * layers : (t + 1) * layers]):
             if len(experts):
-                request(layer, experts)
-        hits[t] = total_hits.sum()
-    return stats, np.diff(hits, prepend=0), name
+                loads, hit, evicted = request(layer, experts)
+                count(layer, hit, len(loads), evicted)
+                token_hits += hit
+        hits[t] = token_hits
+    return stats, hits, name
 
 
 def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_tokens) -> dict:

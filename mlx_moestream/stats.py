@@ -6,7 +6,7 @@ import numpy as np
 
 
 class Stats:
-    """Counters the cache and the loader update on the hot path, as per-layer numpy arrays.
+    """Counters the runtime updates on the hot path, as per-layer numpy arrays.
 
     One access is one distinct (layer, expert) that one forward call needs: a decode step makes
     top-k accesses per layer, a prefill call one per distinct routed expert.
@@ -41,6 +41,22 @@ class Stats:
         self.windows: list[dict] = []
         self._window_mark = (0, 0, 0)  # tokens, hits, misses at the start of the open window
         self._window_activations = self.activations.copy()
+        # written a few items per call, as memoryviews: half numpy's cost
+        self._hits, self._misses = memoryview(self.hits), memoryview(self.misses)
+        self._evictions = memoryview(self.evictions)
+
+    def count_request(self, layer: int, hits: int, misses: int, evicted: list[int]) -> None:
+        """Count one call's accesses, and the evictions (keys) its misses caused."""
+        self._hits[layer] += hits
+        self._misses[layer] += misses
+        if evicted:
+            self.count_evictions(evicted)
+
+    def count_evictions(self, keys: list[int]) -> None:
+        """Each evicted key counts at its own layer (`key // num_experts`)."""
+        evictions, num_experts = self._evictions, self.num_experts
+        for key in keys:
+            evictions[key // num_experts] += 1
 
     def route(self, layer: int, ids: np.ndarray) -> None:
         """Count the tokens routed to each expert by one call (`ids`: valid expert ids)."""

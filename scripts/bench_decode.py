@@ -55,7 +55,7 @@ import mlx_moestream.store
 from mlx_moestream.files import atomic_write_text
 from mlx_moestream.loader import load_lazy
 from mlx_moestream.repack import repack
-from mlx_moestream.streaming import SlotPool
+from mlx_moestream.mlx_backend import MLXSlotPool
 from mlx_moestream.testing import make_tiny_moe
 from mlx_moestream.trace import synthetic_trace
 
@@ -214,8 +214,7 @@ def load_streaming(path: Path, budget: float, prefetch: bool, policy: str):
 def free(model) -> None:
     runtime = getattr(model, "moestream", None)
     if runtime is not None:
-        runtime.io.shutdown(wait=True)
-        runtime.store.close()
+        runtime.close()
     del model, runtime
     gc.collect()
     mx.clear_cache()
@@ -226,7 +225,7 @@ def runtime_info(model) -> dict | None:
     if runtime is None:
         return None
     return {"budget_bytes": runtime.budget_bytes,
-            "slots": sum(p.num_slots for p in runtime.pools)}
+            "slots": runtime.stats_dict()["slots"]}
 
 
 def config_result(name, budget, prefetch, passes: list[dict], memory: dict, info) -> dict:
@@ -286,7 +285,7 @@ def read_benchmark(path: Path, count: int, top_k: int, seed: int) -> dict:
     warm_store, _ = open_store(False)
     packed, _ = open_store(True, packed_dir)
     packed_warm, _ = open_store(False, packed_dir)
-    pool = SlotPool(plan.layers[0], top_k)
+    pool = MLXSlotPool(plan.layers[0], top_k)
     rng = np.random.default_rng(seed)
     keys = rng.choice(plan.num_layers * plan.num_experts, size=min(count, plan.num_layers
                       * plan.num_experts), replace=False)

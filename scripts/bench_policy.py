@@ -5,7 +5,8 @@ layers (no expert is read):
   - `hit_us`: every expert fits and is resident, so every request is a hit (steady state);
   - `miss_us`: the synthetic drift trace at 25% and 50% capacity, after a warm-up of a quarter
     of the trace; `miss_rate` is the share of accesses that missed while timed.
-Each gives `us`, the whole `ExpertCache.request` + `tick` (residency map, statistics and policy),
+Each gives `us`, the whole `ExpertCache.request` + `tick` and the counting of its result
+(residency map, statistics and policy),
 and `policy_us`, the policy's own calls (`access`, `victims`, `tick`): the calls the
 cache made, recorded and replayed on a fresh policy, timed with the replay loop's overhead.
 Hit rates: each policy replayed on synthetic drift traces (see `synthetic_trace`; the workload
@@ -77,19 +78,21 @@ def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: 
     else:
         new_policy = partial(make_policy, name, num_keys=num_keys, num_experts=num_experts)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
-    cache = ExpertCache(slots, list(range(layers)), num_experts, stats, new_policy)
-    request, tick = cache.request, cache.tick
-    for row in rows[:warm_tokens]:
-        tick(1)
-        for layer, experts in enumerate(row):
-            request(layer, experts)
+    cache = ExpertCache(slots, list(range(layers)), num_experts, layers, new_policy)
+    request, tick, count = cache.request, cache.tick, stats.count_request
+
+    def replay(rows):
+        for row in rows:
+            tick(1)
+            for layer, experts in enumerate(row):
+                loads, hits, evicted = request(layer, experts)
+                count(layer, hits, len(loads), evicted)
+
+    replay(rows[:warm_tokens])
     hits0, misses0 = int(stats.hits.sum()), int(stats.misses.sum())
     gc.collect()
     start = time.perf_counter()
-    for row in rows[warm_tokens:]:
-        tick(1)
-        for layer, experts in enumerate(row):
-            request(layer, experts)
+    replay(rows[warm_tokens:])
     seconds = time.perf_counter() - start
     hits, misses = int(stats.hits.sum()) - hits0, int(stats.misses.sum()) - misses0
     per_call = (len(rows) - warm_tokens) * layers
@@ -107,8 +110,7 @@ def policy_seconds(new_policy: Callable[[int], Policy], slots: int,
     calls are recorded from a cache run, then replayed on a fresh policy."""
     layers = len(rows[0])
     recorder = Recorder(new_policy(slots))
-    cache = ExpertCache(slots, list(range(layers)), num_experts,
-                        Stats([str(i) for i in range(layers)], num_experts), lambda _: recorder)
+    cache = ExpertCache(slots, list(range(layers)), num_experts, layers, lambda _: recorder)
     for i, row in enumerate(rows):
         if i == warm_tokens:
             warm_calls = len(recorder.calls)

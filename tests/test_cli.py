@@ -69,10 +69,13 @@ def test_help_and_version_start_without_importing_mlx():
     assert "mlx-moestream, version" in out.stdout
 
 
-def test_the_backend_neutral_core_imports_without_mlx():
-    code = ("import sys; sys.modules['mlx'] = sys.modules['mlx_lm'] = None; "
-            "import mlx_moestream.cache, mlx_moestream.policies, mlx_moestream.profiles, "
-            "mlx_moestream.replay, mlx_moestream.store, mlx_moestream.trace")
+def test_the_backend_neutral_core_imports_with_mlx_and_torch_blocked():
+    code = ("import sys\n"
+            "for name in ('mlx', 'mlx_lm', 'torch', 'transformers'): sys.modules[name] = None\n"
+            "import mlx_moestream.budget, mlx_moestream.cache, mlx_moestream.plan, "
+            "mlx_moestream.policies, mlx_moestream.prefetch, mlx_moestream.profiles, "
+            "mlx_moestream.repack, mlx_moestream.replay, mlx_moestream.runtime, "
+            "mlx_moestream.stats, mlx_moestream.store, mlx_moestream.trace")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_moestream
-from mlx_moestream import streaming
+from mlx_moestream import prefetch
 from mlx_moestream.loader import load_lazy
 from mlx_moestream.testing import ARCHITECTURES
 
@@ -192,7 +192,7 @@ def test_a_budget_holding_every_expert_never_syncs_and_counts_routing_later(tiny
 
 
 def test_prefetch_stops_reading_for_layers_whose_predictions_miss(tiny_model, monkeypatch):
-    monkeypatch.setattr(streaming, "PREFETCH_MIN_USEFUL", 1.01)  # no layer is right enough
+    monkeypatch.setattr(prefetch, "PREFETCH_MIN_USEFUL", 1.01)  # no layer is right enough
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
     greedy_logits(model)  # past the warm-up
     stats = model.moestream.stats
@@ -207,23 +207,23 @@ def test_only_one_token_calls_decide_whether_prefetch_pays(tiny_model):
     runtime, cache = model.moestream, make_prompt_cache(model)
     mx.eval(model(PROMPT[:, :3], cache=cache))  # a prompt whose experts fit the budget
     assert runtime.stats.predicted.sum() > 0  # the prompt's predictions are scored,
-    assert runtime.misses_predicted.sum() == 0  # but not tallied for the gate
+    assert runtime.prefetch.gate_predicted.sum() == 0  # but not tallied for the gate
     token = mx.array([[1]])
     for _ in range(8):
         token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1)[:, None]
-    assert runtime.misses_predicted.sum() > 0
+    assert runtime.prefetch.gate_predicted.sum() > 0
 
 
 def test_a_layer_whose_prefetch_does_not_pay_is_predicted_on_one_token_in_eight(tiny_model,
                                                                                  monkeypatch):
-    monkeypatch.setattr(streaming, "PREFETCH_MIN_USEFUL", 1.01)
+    monkeypatch.setattr(prefetch, "PREFETCH_MIN_USEFUL", 1.01)
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
     greedy_logits(model)
     runtime = model.moestream
     layers, syncs = len(runtime.plan.layers), runtime.stats.syncs
     greedy_logits(model)  # 33 calls per layer, each reading its ids and evaluating its output
     predictions = runtime.stats.syncs - syncs - 2 * 33 * layers
-    assert 0 < predictions <= (layers - 1) * (33 // streaming.PREFETCH_PROBE + 1)
+    assert 0 < predictions <= (layers - 1) * (33 // prefetch.PREFETCH_PROBE + 1)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

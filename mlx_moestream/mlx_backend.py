@@ -1,0 +1,253 @@
+"""The MLX backend: mlx-lm models whose expert modules compute from slot pools.
+
+Each SwitchGLU / SwitchMLP of an mlx-lm model is wrapped by `StreamingExperts`. The wrapped
+module keeps its own code (activation, biases, quantization, sorting) but its expert tensors
+are replaced by a pool of slots shared by every MoE layer with the same expert shapes; the
+routed expert ids are remapped to slot ids before the original module runs.
+
+Slots are filled by reading from the files straight into the pool's memory, so no computation
+that reads a slot may still be pending when a later call overwrites it: every call evaluates its
+expert output before it returns (teacher-forced scoring, for one, never needs a token's last
+layers before the next token's loads). When the budget gives every expert a slot of its own, no
+slot is ever overwritten: `ResidentExperts` maps ids to slots on the device and the graph stays
+lazy as in stock mlx-lm. Prefetch reads run during that evaluation and never touch the slots it
+reads.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
+from .runtime import Runtime, SlotPool
+
+EXPERT_MODULES = (SwitchGLU, SwitchMLP)
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of each SwitchGLU / SwitchMLP, in call order."""
+    found = [(p, m) for p, m in model.named_modules() if isinstance(m, EXPERT_MODULES)]
+    return sorted(found, key=lambda item: path_key(item[0]))
+
+
+def plan_model(model: nn.Module, config: dict) -> ModelPlan:
+    """Find the expert modules of an mlx-lm model and measure experts vs. dense weights."""
+    model_type = config.get("model_type", "?")
+    layers = []
+    for path, module in expert_modules(model):
+        proj = module.gate_proj if isinstance(module, SwitchGLU) else module.fc1
+        num_experts = proj.num_experts
+        specs = {
+            n: (a.shape[1:], _dtype_name(a.dtype), a.nbytes // num_experts)
+            for n, a in tree_flatten(module.parameters())
+            if a.ndim and a.shape[0] == num_experts
+        }
+        layers.append(ExpertLayer(path, num_experts, specs))
+    if not layers:
+        raise ValueError(
+            f"model_type '{model_type}' has no SwitchGLU/SwitchMLP expert layers: "
+            "not a Mixture-of-Experts model"
+        )
+    total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    dense = total - sum(l.expert_bytes * l.num_experts for l in layers)
+    return ModelPlan(model_type, top_k_of(config), layers, dense, config_hash(config))
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # mlx.core.bfloat16 -> bfloat16
+
+
+class MLXSlotPool(SlotPool):
+    """A slot pool in MLX arrays (`arrays`, what the expert modules compute from), written
+    through numpy views of the same memory."""
+
+    def __init__(self, like: ExpertLayer, num_slots: int):
+        self.arrays: dict[str, mx.array] = {}
+        views = {}
+        for name, (shape, dtype_name, _) in like.specs.items():
+            array = _page_aligned_zeros((num_slots, *shape), getattr(mx, dtype_name))
+            raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+            mx.eval(array, raw)
+            self.arrays[name] = array
+            views[name] = np.array(raw, copy=False)  # writes land in `array`'s memory
+        super().__init__(views)
+
+
+def _page_aligned_zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """Zeros whose data starts on a page boundary (a view into a slightly larger buffer), so
+    direct I/O can read experts straight into their slots."""
+    size, itemsize = math.prod(shape), dtype.size
+    pad = mmap.PAGESIZE // itemsize
+    buffer = mx.zeros((size + pad,), dtype)
+    mx.eval(buffer)
+    raw = buffer.view(mx.uint16) if dtype == mx.bfloat16 else buffer
+    skip = (-np.array(raw, copy=False).ctypes.data % mmap.PAGESIZE) // itemsize
+    return buffer[skip : skip + size].reshape(shape)
+
+
+class StreamingExperts(nn.Module):
+    """Drop-in replacement for a SwitchGLU / SwitchMLP whose experts are streamed."""
+
+    def __init__(self, inner: nn.Module, layer: int, runtime: Runtime):
+        super().__init__()
+        # Plain attributes, not children: the pool must not appear among the model's parameters.
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "runtime", runtime)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        runtime = self.runtime
+        # One thread's call at a time, computed before the next may reuse its slots: threads
+        # sharing the model interleave whole layer calls.
+        with runtime.lock:
+            ids = np.array(indices)  # host sync: the routing decides what must be read
+            runtime.count_sync()
+            slots = runtime.route(self.layer, ids)
+            if slots is None:
+                return self._in_rounds(x, ids)
+            y = self.inner(x, mx.array(slots))
+            if runtime.prefetch:
+                runtime.prefetch.after(self.layer, x)
+            mx.eval(y)  # see the module docstring: no pending reads of a slot
+            runtime.count_sync()
+            return y
+
+    def _in_rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
+        """More distinct experts than the layer may hold: compute them a slot pool at a time."""
+        k, rows = ids.shape[-1], x.reshape(-1, x.shape[-1])
+        outs, positions = [], []
+        for pos, slots in self.runtime.rounds(self.layer, ids):
+            y = self.inner(rows[mx.array(pos // k)], mx.array(slots[:, None]))[:, 0]
+            mx.eval(y)  # the next round may overwrite these slots
+            outs.append(y)
+            positions.append(pos)
+        order = np.concatenate(positions)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        y = mx.concatenate(outs)[mx.array(inverse)]
+        return y.reshape(*ids.shape, y.shape[-1])
+
+
+class ResidentExperts(nn.Module):
+    """Every expert resident for good: ids map to slots on the device, no host sync, as in
+    stock mlx-lm. Routing is counted later (`DeferredRouting`)."""
+
+    def __init__(self, inner: nn.Module, layer: int, slot_map: mx.array, deferred: "DeferredRouting"):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "slot_map", slot_map)  # one entry past the experts: masked ids
+        object.__setattr__(self, "deferred", deferred)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        self.deferred.add(self.layer, indices)
+        valid = mx.minimum(indices.astype(mx.uint32), self.slot_map.size - 1)
+        return self.inner(x, self.slot_map[valid])
+
+
+class DeferredRouting:
+    """The routed ids of calls that did not sync, per thread (only the thread that built them
+    can evaluate them: mlx streams are per thread, or any once it has ended), counted through
+    the runtime two forward calls late or whenever statistics are read."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.calls: dict[threading.Thread, list[tuple[int, mx.array]]] = {}
+
+    def add(self, layer: int, indices: mx.array) -> None:
+        calls = self.calls.setdefault(threading.current_thread(), [])
+        calls.append((layer, indices))
+        if len(calls) > 3 * self.runtime.plan.num_layers:
+            self.count(keep=2 * self.runtime.plan.num_layers)
+
+    def count(self, keep: int = 0) -> None:
+        """Route this thread's deferred calls (whole forward calls, all but the last `keep`
+        layer calls) and those of threads that have ended, in call order."""
+        runtime = self.runtime
+        layers, me = runtime.plan.num_layers, threading.current_thread()
+        with runtime.lock:
+            threads = list(self.calls)  # one step: other threads may add theirs meanwhile
+            for thread in [t for t in threads if t is me or not t.is_alive()]:
+                calls = self.calls.pop(thread)
+                cut = (len(calls) - keep) // layers * layers if thread is me else len(calls)
+                if cut < len(calls) and thread is me:
+                    self.calls[thread] = calls[cut:]
+                for layer, indices in calls[:cut]:
+                    runtime.route(layer, np.array(indices))
+
+
+def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=None) -> None:
+    """Swap every expert module of `model` for one that computes from the runtime's slot pools
+    (its lazy experts drop out of the model). When every expert has a slot, read them all now,
+    as stock mlx-lm reads its weights, and compute without host syncs (`ResidentExperts`);
+    else stream (`StreamingExperts`), predicting each next layer's experts with its own router
+    when `prefetch`. `progress(items, label)` may wrap the reads."""
+    found = expert_modules(model)
+    for i, (path, module) in enumerate(found):
+        for name, array in runtime.layer_pool[i].arrays.items():
+            _set_path(module, name, array)
+    if runtime.holds_all:
+        runtime.read_all(progress)
+        deferred = DeferredRouting(runtime)
+        runtime.count_deferred = deferred.count
+    routers = {}
+    for i, (path, module) in enumerate(found):
+        parent_path, attr = path.rsplit(".", 1)
+        parent = _get_path(model, parent_path)
+        if runtime.holds_all:
+            row = runtime.slot_map(i)
+            slot_map = mx.array(np.append(row, row[0]))  # masked ids: expert 0's slot
+            setattr(parent, attr, ResidentExperts(module, i, slot_map, deferred))
+        else:
+            setattr(parent, attr, StreamingExperts(module, i, runtime))
+            routers[i] = _router(parent, runtime.plan.layers[i].num_experts)
+    model.moestream = runtime
+    if prefetch:
+        runtime.enable_prefetch(_predictor(routers, runtime.plan.top_k))
+
+
+def _predictor(routers: dict, top_k: int):
+    """`predict(layer, x)` for `Prefetch`: the distinct experts `layer`'s router picks for `x`
+    (None where no router was found)."""
+
+    def predict(layer: int, x: mx.array) -> np.ndarray | None:
+        router = routers.get(layer)
+        if router is None:
+            return None
+        logits = router(x)
+        return np.unique(np.array(mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., :top_k]))
+
+    return predict
+
+
+def _router(block: nn.Module, num_experts: int):
+    """The routing logits of a MoE block (its Linear with one output per expert), or None."""
+    for name, child in block.children().items():
+        if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
+            out = child.weight.shape[0]
+            if out == num_experts:
+                return child
+        weight = getattr(child, "weight", None) if isinstance(child, nn.Module) else None
+        if isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts:
+            return lambda x, w=weight: x @ w.T
+    return None
+
+
+def _get_path(root: nn.Module, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def _set_path(root: nn.Module, path: str, value) -> None:
+    parent, attr = path.rsplit(".", 1)
+    setattr(_get_path(root, parent), attr, value)

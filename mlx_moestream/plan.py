@@ -1,0 +1,130 @@
+"""What streaming a model involves: its MoE layers, their expert shapes, pools and budgets.
+
+Backend neutral (no mlx, no torch): each backend reads the expert layers off its own model and
+builds a `ModelPlan`; everything derived from it (slot pools, minimum budget, the identity a
+profile records) is the same arithmetic on every backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk", "top_k")
+
+# Settings that change how weights are stored, not which experts a token routes to: a profile
+# recorded on the float model applies to its quantized versions, and on either backend.
+STORAGE_KEYS = {"quantization", "quantization_config", "torch_dtype", "dtype", "_name_or_path",
+                "transformers_version"}
+
+
+@dataclass
+class ExpertLayer:
+    path: str  # the checkpoint's name prefix of the layer's experts, e.g. model.layers.3.mlp.switch_mlp
+    num_experts: int
+    # Per-expert parameter name (`gate_proj.weight`, ...) -> (shape, dtype name, bytes) of one expert.
+    specs: dict[str, tuple[tuple[int, ...], str, int]]
+
+    @property
+    def signature(self) -> tuple:
+        return tuple((n, shape, dtype) for n, (shape, dtype, _) in sorted(self.specs.items()))
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.specs.values())
+
+
+@dataclass
+class ModelPlan:
+    """The expert layers of a model, in call order, and the bytes of everything else."""
+
+    model_type: str
+    top_k: int
+    layers: list[ExpertLayer]
+    dense_bytes: int
+    config_hash: str
+    num_layers: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_layers = len(self.layers)
+
+    @property
+    def num_experts(self) -> int:
+        return max(l.num_experts for l in self.layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of all experts of all layers."""
+        return sum(l.expert_bytes * l.num_experts for l in self.layers)
+
+    def layer_groups(self) -> list[list[int]]:
+        """Layer indices grouped by identical expert shapes: each group shares one slot pool."""
+        groups: dict[tuple, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            groups.setdefault(layer.signature, []).append(i)
+        return list(groups.values())
+
+    def _share(self, group: list[int]) -> float:
+        layer = self.layers[group[0]]
+        return layer.expert_bytes * layer.num_experts * len(group) / self.expert_bytes
+
+    def pool_slots(self, budget_bytes: int) -> list[int]:
+        """Slots per group: the budget is split in proportion to each group's expert bytes."""
+        slots = []
+        for group in self.layer_groups():
+            layer = self.layers[group[0]]
+            n = int(budget_bytes * self._share(group)) // layer.expert_bytes
+            slots.append(min(n, layer.num_experts * len(group)))
+        return slots
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The smallest budget that gives every pool room for one token's top-k experts."""
+        return max(math.ceil(self.top_k * self.layers[g[0]].expert_bytes / self._share(g))
+                   for g in self.layer_groups())
+
+    @property
+    def identity(self) -> dict:
+        """What a profile records to refuse being applied to another model."""
+        shapes = [(l.path, l.num_experts) for l in self.layers]
+        digest = hashlib.sha256(json.dumps([self.config_hash, shapes]).encode()).hexdigest()
+        return {"model_type": self.model_type, "moe_layers": self.num_layers,
+                "experts": self.num_experts, "top_k": self.top_k, "fingerprint": digest[:16]}
+
+    def describe(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "moe_layers": self.num_layers,
+            "experts": self.num_experts,
+            "top_k": self.top_k,
+            "expert_bytes": self.layers[0].expert_bytes,
+            "all_expert_bytes": self.expert_bytes,
+            "dense_bytes": self.dense_bytes,
+            "min_budget_bytes": self.min_budget_bytes,
+        }
+
+
+def config_hash(config: dict) -> str:
+    kept = {k: v for k, v in config.items() if k not in STORAGE_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def path_key(path: str) -> list:
+    """Sort key of a module path: numbered parts in numeric order (layers.10 after layers.9)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")]
+
+
+def top_k_of(config: dict) -> int:
+    """Experts per token, from whichever key the model's config.json uses."""
+    model_type = config.get("model_type", "?")
+    for source in (config, config.get("text_config", {})):
+        for key in TOP_K_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value < 1:
+                    raise ValueError(f"model_type '{model_type}': config.json has {key} = "
+                                     f"{value}: a token must use at least one expert")
+                return value
+    raise ValueError(f"model_type '{model_type}': config.json names no experts-per-token (top-k)")

@@ -1,0 +1,115 @@
+"""Reading ahead: each next layer's experts, predicted while the current layer computes.
+
+Backend neutral: the backend supplies `predict(layer, x)`, the distinct experts that layer's
+router picks for `x` (the current layer's input, a host sync), and the runtime supplies reads;
+this module decides when a prediction pays, keeps the reads in flight and scores them.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from .interrupts import CRITICAL
+from .store import StoreError
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+# Prefetch reads ahead for a layer only while at least this share of its predicted misses (the
+# predicted experts that were not resident: what a prefetch reads) turn out routed, once this
+# many have been scored; the tally halves past 16x that, so it follows a changing workload. Only
+# one-token calls are tallied: a prompt's prediction names the experts of many tokens at once,
+# routed far more often than a decode step's, and would keep reading ahead where it never pays.
+PREFETCH_MIN_USEFUL = 0.25
+PREFETCH_WARMUP = 16
+PREFETCH_PROBE = 8  # while it does not pay, a layer is predicted on one token in this many
+
+Predict = Callable[[int, Any], np.ndarray]
+
+
+class Prefetch:
+    """Predictions of each layer's next call, the reads they started, and whether they pay."""
+
+    def __init__(self, runtime: "Runtime", predict: Predict):
+        self.runtime = runtime
+        self.predict = predict
+        layers = runtime.plan.num_layers
+        self.reads: list[tuple[int, int, Future]] = []  # (layer, expert, read) in flight
+        self.predictions: dict[int, np.ndarray] = {}  # layer -> experts predicted for its next call
+        self.predicted_misses: dict[int, set[int]] = {}  # of those, the ones not resident then
+        self.prefetched: dict[int, set[int]] = {}  # layer -> experts read ahead for its next call
+        self.reading: set[int] = set()  # keys the pending computation of the latest call reads
+        self.gate_predicted = np.zeros(layers)  # tally of predicted misses per layer,
+        self.gate_routed = np.zeros(layers)  # and of those then routed
+
+    def after(self, layer: int, x) -> None:
+        """Predict the next layer's experts from this layer's input `x` and start reading the
+        predicted misses; the pending computation's experts stay."""
+        runtime, nxt = self.runtime, layer + 1
+        if nxt >= runtime.plan.num_layers:
+            return
+        cache = runtime.layer_cache[nxt]
+        if cache.holds_layer(nxt):  # nothing to read: skip the prediction's sync
+            return
+        if not self.pays(nxt) and runtime.stats.tokens % PREFETCH_PROBE:
+            return  # reading ahead does not pay here: predict now and then, to see if it does
+        predicted = self.predict(nxt, x)
+        if predicted is None:  # the backend found no router for that layer
+            return
+        runtime.count_sync()
+        self.predictions[nxt] = predicted
+        self.predicted_misses[nxt] = set(cache.missing(nxt, predicted).tolist())
+        if len(predicted) + len(self.reading) > cache.capacity(nxt) or not self.pays(nxt):
+            return
+        with CRITICAL:
+            loads, evicted = cache.prefetch(nxt, predicted, self.reading)
+            runtime.stats.count_evictions(evicted)
+            self.prefetched[nxt] = {e for e, _ in loads}
+            self.reads += [(nxt, e, runtime.io.submit(runtime.read, nxt, e, s)) for e, s in loads]
+
+    def pays(self, layer: int) -> bool:
+        """Whether reading `layer`'s predicted misses ahead is right often enough: a wrong read
+        costs bandwidth and a slot. The tally counts predicted misses whether or not they were
+        read, so a layer whose predictions improve gets its prefetch back."""
+        predicted = self.gate_predicted[layer]
+        return predicted < PREFETCH_WARMUP or self.gate_routed[layer] >= PREFETCH_MIN_USEFUL * predicted
+
+    def wait(self, layer: int) -> None:
+        """Finish the reads in flight before any slot may be reused; a failed one is forgotten,
+        so a real need reads it again and reports the error."""
+        runtime, stats = self.runtime, self.runtime.stats
+        start = time.perf_counter()
+        for owner, expert, read in self.reads:
+            try:
+                runtime.count_read(owner, *read.result())
+                stats.prefetch_loads[owner] += 1
+            except StoreError:
+                runtime.layer_cache[owner].discard(owner, expert)
+                self.prefetched.get(owner, set()).discard(expert)
+                stats.read_errors += 1
+        self.reads = []
+        stats.stall_seconds[layer] += time.perf_counter() - start
+
+    def score(self, layer: int, experts: np.ndarray, tally: bool) -> None:
+        """Count how the prediction for this call did; `tally` (one-token calls) also feeds the
+        gate of `pays`."""
+        predicted = self.predictions.pop(layer, None)
+        if predicted is None:
+            return
+        routed = set(experts.tolist())
+        misses = self.predicted_misses.pop(layer, set())  # unset if Ctrl-C fell in between
+        if tally:
+            self.gate_predicted[layer] += len(misses)
+            self.gate_routed[layer] += len(misses & routed)
+            if self.gate_predicted[layer] > 16 * PREFETCH_WARMUP:
+                self.gate_predicted[layer] /= 2
+                self.gate_routed[layer] /= 2
+        stats = self.runtime.stats
+        stats.predicted[layer] += len(predicted)
+        stats.routed_scored[layer] += len(routed)
+        stats.predicted_routed[layer] += len(routed.intersection(predicted.tolist()))
+        stats.prefetch_used[layer] += len(routed & self.prefetched.pop(layer, set()))

@@ -1,0 +1,342 @@
+"""The streaming runtime, backend neutral: route -> ensure resident -> load; pre-warm; statistics.
+
+A backend (`mlx_backend`, ...) builds the `ModelPlan`, makes each group of layers with one
+expert shape a `SlotPool` (host views of the memory its compute reads experts from), and calls
+`route` from each expert layer with the routed ids; everything else happens here, the same for
+every backend. Slots are filled in place, so the backend must finish computing a call before a
+later call may reuse its slots (`holds_all` says when no slot is ever reused).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from functools import partial
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .budget import BudgetError, format_bytes
+from .cache import ExpertCache, split_slots
+from .interrupts import CRITICAL, install_handler
+from .plan import ExpertLayer, ModelPlan
+from .policies import DEFAULT_POLICY
+from .prefetch import Predict, Prefetch
+from .profiles import Profile
+from .stats import Stats, ratio
+from .store import ExpertStore, StoreError
+
+
+class SlotPool:
+    """[num_slots, ...] buffers, one per expert tensor, shared by the layers of one expert shape.
+    `views` are host (numpy) views of the memory the backend computes from: reads land there."""
+
+    def __init__(self, views: dict[str, np.ndarray]):
+        self.views = views
+        self.num_slots = len(next(iter(views.values())))
+
+    def slot(self, slot: int) -> dict[str, np.ndarray]:
+        return {name: view[slot] for name, view in self.views.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views.values())
+
+
+NewPool = Callable[[ExpertLayer, int], SlotPool]
+
+
+class Runtime:
+    """The store, the slot pools and their caches, and the statistics of one streamed model."""
+
+    def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int, new_pool: NewPool,
+                 policy: str = DEFAULT_POLICY, window_tokens: int = 32, per_layer: bool = False,
+                 layer_weights: np.ndarray | None = None, io_threads: int = 4):
+        """`new_pool(layer, num_slots)` makes a backend's pool for layers shaped like `layer`.
+        `per_layer` gives each layer its own share of a pool (`layer_weights`, e.g. from a
+        profile, or uniform) instead of one budget shared by all layers."""
+        if budget_bytes < plan.min_budget_bytes:
+            raise BudgetError(
+                f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the minimum "
+                f"{format_bytes(plan.min_budget_bytes)} ({plan.min_budget_bytes} bytes): one "
+                f"token's top-{plan.top_k} experts must fit"
+            )
+        self.plan = plan
+        self.store = store
+        self.budget_bytes = budget_bytes
+        self.policy = policy
+        self.recorder = None  # a trace.TraceRecorder while recording routing
+        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
+        self.lock = threading.RLock()  # one thread's layer call at a time
+        self.prefetch: Prefetch | None = None  # see `enable_prefetch`
+        # a backend that counts routing after the fact (all experts resident) flushes it here
+        self.count_deferred: Callable[[], None] = lambda: None
+        self.prewarm_info: dict | None = None
+        self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
+        self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
+        self.store_layer = [
+            store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
+                            l.num_experts)
+            for l in plan.layers
+        ]
+        store.open()  # before any reader thread
+        install_handler()  # Ctrl-C waits for a step in progress (see interrupts)
+        self.pools: list[SlotPool] = []
+        self.caches: list[ExpertCache] = []
+        self.layer_pool: list[SlotPool] = [None] * plan.num_layers
+        self.layer_cache: list[ExpertCache] = [None] * plan.num_layers
+        for group, slots in zip(plan.layer_groups(), plan.pool_slots(budget_bytes)):
+            layer_slots = None
+            if per_layer:
+                if slots < len(group) * plan.top_k:
+                    raise BudgetError(
+                        f"budget {format_bytes(budget_bytes)} gives {slots} slots: a per-layer "
+                        f"split needs top-{plan.top_k} for each of {len(group)} layers "
+                        f"({len(group) * plan.top_k} slots)"
+                    )
+                weights = np.ones(len(group)) if layer_weights is None else layer_weights[group]
+                layer_slots = split_slots(slots, weights, plan.top_k)
+            pool = new_pool(plan.layers[group[0]], slots)
+            cache = ExpertCache(slots, group, plan.num_experts, plan.num_layers, policy, layer_slots)
+            self.pools.append(pool)
+            self.caches.append(cache)
+            for i in group:
+                self.layer_pool[i], self.layer_cache[i] = pool, cache
+        # every expert can have a slot of its own: none is ever reused, so the backend may
+        # read all of them at load (`read_all`) and compute without waiting on the host
+        self.holds_all = all(cache.holds_all for cache in self.caches)
+
+    def enable_prefetch(self, predict: Predict) -> None:
+        """Read each next layer's predicted experts ahead (see `prefetch`). Not when every
+        expert has a slot: each misses once a session, and a prediction's host sync on every
+        token would cost more than reading ahead saves."""
+        if not self.holds_all:
+            self.prefetch = Prefetch(self, predict)
+
+    def capacity(self, layer: int) -> int:
+        return self.layer_cache[layer].capacity(layer)
+
+    def count_sync(self) -> None:
+        """The backend waited for the device (to read routed ids or a prediction)."""
+        self.stats.syncs += 1
+
+    def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
+        """The slots of a call's routed `ids` [..., k], after loading its misses; None when the
+        call routes to more experts than the layer may hold at once: compute it by `rounds`.
+        Ids outside [0, experts) are masked: they load nothing, count nothing, and get the
+        slot of a routed expert (their outputs are discarded by the model)."""
+        with CRITICAL:
+            if self.prefetch and self.prefetch.reads:
+                self.prefetch.wait(layer)
+            if layer == 0:
+                tokens = ids.size // ids.shape[-1]
+                self.stats.tick(tokens)
+                for cache in self.caches:
+                    cache.tick(tokens)
+            if self.recorder is not None:
+                num = self.plan.layers[layer].num_experts
+                self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
+            routed, ids = self._unmasked(layer, ids)
+            self.stats.route(layer, routed)
+            experts = np.unique(routed)
+            if self.prefetch:
+                self.prefetch.score(layer, experts, tally=ids.size == ids.shape[-1])
+            if len(experts) > self.capacity(layer):
+                return None
+            slots = self._request(layer, experts, ids)
+            if self.prefetch:
+                self.prefetch.reading = set((layer * self.plan.num_experts + experts).tolist())
+            return slots
+
+    def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
+        ids, their slots); the caller computes each round before asking for the next, which
+        may reuse its slots."""
+        _, flat = self._unmasked(layer, ids.reshape(-1))
+        order = np.argsort(flat, kind="stable")
+        sorted_ids = flat[order]
+        experts = np.unique(sorted_ids)
+        capacity, done = self.capacity(layer), 0
+        for start in range(0, len(experts), capacity):
+            chunk = experts[start : start + capacity]
+            end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
+            positions = order[done:end]
+            with CRITICAL:
+                slots = self._request(layer, chunk, flat[positions])
+            yield positions, slots
+            done = end
+
+    def _unmasked(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the routed ids alone, `ids` with masked ones (-1, or past the layer's experts)
+        pointing at a routed expert)."""
+        num = self.plan.layers[layer].num_experts
+        if ids.min() >= 0 and ids.max() < num:
+            return ids, ids
+        valid = (ids >= 0) & (ids < num)
+        routed = ids[valid]
+        return routed, np.where(valid, ids, routed[0] if routed.size else 0)
+
+    def _request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`).
+        Callers hold CRITICAL: no decision without its load."""
+        cache = self.layer_cache[layer]
+        loads, hits, evicted = cache.request(layer, experts)
+        self.stats.count_request(layer, hits, len(loads), evicted)
+        if loads:
+            self._load(layer, cache, loads)
+        return cache.slots(layer, ids)
+
+    def read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
+        """Read one expert into its slot: (bytes, seconds)."""
+        start = time.perf_counter()
+        nbytes = self.store.read_expert(self.store_layer[layer], expert,
+                                        self.layer_pool[layer].slot(slot))
+        return nbytes, time.perf_counter() - start
+
+    def count_read(self, layer: int, nbytes: int, seconds: float, experts: int = 1) -> None:
+        self.stats.read_seconds[layer] += seconds
+        self.stats.bytes_read[layer] += nbytes
+        self.stats.loads[layer] += experts
+
+    def _load(self, layer: int, cache: ExpertCache, loads: list[tuple[int, int]]) -> None:
+        """Read the missing experts of a call, concurrently when there are several."""
+        start = time.perf_counter()
+        reads = [partial(self.read, layer, e, s) for e, s in loads]
+        if len(reads) > 1:
+            reads = [self.io.submit(read).result for read in reads]
+        failed = None
+        for (expert, _), read in zip(loads, reads):
+            try:
+                self.count_read(layer, *read())
+            except StoreError as e:
+                cache.discard(layer, expert)
+                failed = failed or e
+        self.stats.stall_seconds[layer] += time.perf_counter() - start
+        if failed:
+            self.stats.read_errors += 1
+            raise failed
+
+    def read_all(self, progress=None) -> None:
+        """When every expert has a slot (`holds_all`), read them all now, as stock mlx-lm reads
+        its weights at load: a layer's stacked tensors in one read each where the slots follow
+        the file, the layers concurrently. `progress(items, label)` may wrap the reads."""
+        reads = []
+        for layer in range(self.plan.num_layers):
+            slots = self.layer_cache[layer].admit_layer(layer)
+            reads.append(self.io.submit(self._read_layer, layer, slots))
+        context = progress(reads, "read experts") if progress else nullcontext(reads)
+        try:
+            with context as items:
+                for layer, read in enumerate(items):  # items first: the bar ends at 100%
+                    for nbytes, seconds, experts in read.result():
+                        self.count_read(layer, nbytes, seconds, experts)
+        except BaseException:
+            for read in reads:
+                read.cancel()
+            raise
+
+    def _read_layer(self, layer: int, slots: list[int]) -> list[tuple[int, float, int]]:
+        """Every expert of a layer into `slots`: one read per tensor when the slots follow the
+        experts in order and the file holds them so, else one read per expert. Returns
+        (bytes, seconds, experts) per read."""
+        start, pool = time.perf_counter(), self.layer_pool[layer]
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            dest = {name: view[first : first + len(slots)] for name, view in pool.views.items()}
+            nbytes = self.store.read_layer(self.store_layer[layer], dest)
+            if nbytes is not None:
+                return [(nbytes, time.perf_counter() - start, len(slots))]
+        return [(*self.read(layer, e, s), 1) for e, s in enumerate(slots)]
+
+    def slot_map(self, layer: int) -> np.ndarray:
+        """The slot of every expert of `layer` (-1: not resident)."""
+        return self.layer_cache[layer].slots(layer, np.arange(self.plan.layers[layer].num_experts))
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(c.resident * self.plan.layers[g[0]].expert_bytes
+                   for c, g in zip(self.caches, self.plan.layer_groups()))
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
+                progress=None) -> dict:
+        """Read a profile's hottest experts into free slots (up to `share` of each pool), in
+        file order, and seed the policies with its decayed counts: these pins are soft, the
+        seeded counts decay like live ones. The hottest `pin_share` of each pool is pinned for
+        good (leaving every layer room for one token's top-k). `progress(items, label)` is a
+        context manager wrapping the reads."""
+        profile.check_model(self.plan.identity)
+        self.count_deferred()
+        picks, pins = [], []
+        for cache in self.caches:
+            hot, pinned = cache.prewarm_plan(profile, share, pin_share, self.plan.top_k)
+            picks += hot
+            pins += pinned
+        picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
+        start, nbytes, loaded = time.perf_counter(), 0, 0
+        context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)
+        with context as items:
+            for layer, expert in items:
+                cache = self.layer_cache[layer]
+                with CRITICAL:
+                    slot = cache.admit(layer, expert)
+                    if slot is None:
+                        continue
+                    try:
+                        read = self.read(layer, expert, slot)
+                    except StoreError:
+                        cache.discard(layer, expert)
+                        self.stats.read_errors += 1
+                        raise
+                    self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
+                    nbytes += read[0]
+                self.warm[layer] += 1
+                loaded += 1
+        for layer, expert in pins:
+            self.layer_cache[layer].pin(layer, expert)
+        self.prewarm_info = {"profile": profile.workload, "experts": loaded, "pinned": len(pins),
+                             "bytes": nbytes,
+                             "read_ms": (time.perf_counter() - start) * 1e3,
+                             "at_token": self.stats.tokens,
+                             "hits_before": int(self.stats.hits.sum()),
+                             "misses_before": int(self.stats.misses.sum())}
+        return self.prewarm_info
+
+    def profile(self, workload: str) -> Profile:
+        """This session's routing so far, to pre-warm later sessions of the same workload."""
+        self.count_deferred()
+        return Profile.of(self.stats, workload, self.plan.identity)
+
+    def _prewarm_effect(self, hits: int, misses: int) -> dict:
+        """The pre-warm's record with the hit rate of the accesses before it and since."""
+        info = self.prewarm_info
+        h0, m0 = info["hits_before"], info["misses_before"]
+        return {**info, "hit_rate_before": ratio(h0, h0 + m0),
+                "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
+
+    def stats_dict(self) -> dict:
+        self.count_deferred()
+        out = self.stats.as_dict()
+        out.update(
+            budget_bytes=self.budget_bytes,
+            resident_bytes=self.resident_bytes,
+            slot_bytes=self.slot_bytes,
+            slots=sum(p.num_slots for p in self.pools),
+            policy=self.policy,
+            prefetch=self.prefetch is not None,
+            prewarm=self.prewarm_info and self._prewarm_effect(out["hits"], out["misses"]),
+        )
+        for i, layer in enumerate(out["layers"]):
+            layer["warm"] = int(self.warm[i])
+            layer["pinned"] = self.layer_cache[i].pinned_in(i)
+        return out
+
+    def close(self) -> None:
+        """Finish the reads in flight and close the files; the model cannot stream after."""
+        self.io.shutdown(wait=True)
+        self.store.close()
