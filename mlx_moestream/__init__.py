@@ -1,7 +1,8 @@
 """Run Mixture-of-Experts models whose experts exceed memory: experts stream from disk under a budget.
 
-The API below imports mlx and mlx-lm on first use, so the backend-neutral modules (cache,
-policies, profiles, trace, replay, store) and the CLI's help import without them.
+`load` and `run_text` import mlx and mlx-lm on first use; the rest of the API (`session`) and
+the backend-neutral modules (runtime, cache, policies, profiles, trace, replay, store) never
+do, so a torch user (`mlx_moestream.torch.load`) and the CLI's help import without them.
 """
 
 from importlib.metadata import version
@@ -14,15 +15,19 @@ __all__ = ["load", "prewarm", "profile", "run_text", "save_profile", "save_trace
 
 
 def stats(model) -> dict:
-    """The session's cache and read statistics (see `loader.stats`)."""
-    from .loader import stats as of_model
+    """The session's cache and read statistics (see `session.stats`)."""
+    from .session import stats as of_model
 
     return of_model(model)
 
 
 def __getattr__(name: str):
-    if name in __all__:
+    if name in ("load", "run_text"):
         from . import loader
 
         return getattr(loader, name)
+    if name in __all__:
+        from . import session
+
+        return getattr(session, name)
     raise AttributeError(f"module 'mlx_moestream' has no attribute {name!r}")

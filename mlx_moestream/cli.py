@@ -80,7 +80,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from . import loader
+    from . import loader, session
 
     from .profiles import save_target
 
@@ -98,7 +98,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     except (ValueError, OSError) as e:
         _fail(e)
     if trace_path:
-        loader.start_trace(lm)
+        session.start_trace(lm)
     sampler = make_sampler(temp=temp)
     history: list[dict] = []
 
@@ -111,7 +111,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             reply.append(response.text)
         click.echo()
         history.append({"role": "assistant", "content": "".join(reply)})
-        click.echo(format_stats(loader.stats(lm), response))
+        click.echo(format_stats(session.stats(lm), response))
 
     failed = None
     try:
@@ -128,9 +128,9 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     except ValueError as e:  # a read error, say: the outputs below are still written
         failed = e
     finally:
-        outputs = [(f"profile {t}", partial(loader.save_profile, lm, t)) for t in targets]
+        outputs = [(f"profile {t}", partial(session.save_profile, lm, t)) for t in targets]
         if trace_path:
-            outputs.append((f"trace {trace_path}", partial(loader.save_trace, lm, trace_path)))
+            outputs.append((f"trace {trace_path}", partial(session.save_trace, lm, trace_path)))
         for label, save in outputs:  # each on its own: one failing does not lose the others
             try:
                 save()
@@ -237,7 +237,8 @@ def _percent(rate: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(model, as_json):
     """Architecture, experts, bytes per expert, dense bytes and the minimum budget."""
-    from .loader import load_lazy, resolve_model_path
+    from .hub import resolve_model_path
+    from .loader import load_lazy
 
     try:
         plan = load_lazy(resolve_model_path(model))[-1]
@@ -347,12 +348,12 @@ def profile_list():
 @model_option
 def profile_record(name, text_path, model):
     """Record a workload's profile by running a text through the model."""
-    from . import loader
+    from . import loader, session
 
     try:
         lm, tokenizer = loader.load(model, budget="100%")
         tokens = loader.run_text(lm, tokenizer, Path(text_path).read_text(encoding="utf-8"))
-        click.echo(f"{tokens} tokens: {loader.save_profile(lm, name)}")
+        click.echo(f"{tokens} tokens: {session.save_profile(lm, name)}")
     except (ValueError, OSError) as e:
         _fail(e)
 
@@ -415,7 +416,7 @@ def profile_diff(first, second, top):
 def repack(model, out, verify_only):
     """Write an expert-major copy of the experts: one page-aligned read per expert."""
     from . import repack as rp
-    from .loader import resolve_model_path
+    from .hub import resolve_model_path
     from .store import repack_dir
 
     try:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk", "top_k")
 
@@ -104,6 +105,19 @@ class ModelPlan:
             "dense_bytes": self.dense_bytes,
             "min_budget_bytes": self.min_budget_bytes,
         }
+
+
+def read_config(model_dir: Path) -> dict:
+    """config.json with generation_config.json's eos_token_id, as mlx-lm reads it: the config a
+    profile's identity hashes, the same on every backend."""
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        generation = json.loads((model_dir / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        generation = {}
+    if eos := generation.get("eos_token_id"):
+        config["eos_token_id"] = eos
+    return config
 
 
 def config_hash(config: dict) -> str:

@@ -68,6 +68,7 @@ class Prefetch:
         with CRITICAL:
             loads, evicted = cache.prefetch(nxt, predicted, self.reading)
             runtime.stats.count_evictions(evicted)
+            runtime.release(evicted)
             self.prefetched[nxt] = {e for e, _ in loads}
             self.reads += [(nxt, e, runtime.io.submit(runtime.read, nxt, e, s)) for e, s in loads]
 

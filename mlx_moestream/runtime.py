@@ -31,7 +31,10 @@ from .store import ExpertStore, StoreError
 
 class SlotPool:
     """[num_slots, ...] buffers, one per expert tensor, shared by the layers of one expert shape.
-    `views` are host (numpy) views of the memory the backend computes from: reads land there."""
+    `views` are host (numpy) views of the memory the backend computes from: reads land there.
+
+    A backend whose compute indexes experts by id (torch) places an expert by (layer, expert)
+    instead of by slot: it overrides `destination`, `layer_destination` and `release`."""
 
     def __init__(self, views: dict[str, np.ndarray]):
         self.views = views
@@ -39,6 +42,21 @@ class SlotPool:
 
     def slot(self, slot: int) -> dict[str, np.ndarray]:
         return {name: view[slot] for name, view in self.views.items()}
+
+    def destination(self, layer: int, expert: int, slot: int) -> dict[str, np.ndarray]:
+        """Where a read of `expert` of `layer` into `slot` lands, per tensor name."""
+        return self.slot(slot)
+
+    def layer_destination(self, layer: int, slots: list[int]) -> dict[str, np.ndarray] | None:
+        """Where a read of every expert of `layer` (expert e into `slots[e]`) lands as one
+        [experts, ...] block per tensor; None when the slots are not one run in order."""
+        first = slots[0]
+        if slots != list(range(first, first + len(slots))):
+            return None
+        return {name: view[first : first + len(slots)] for name, view in self.views.items()}
+
+    def release(self, layer: int, expert: int) -> None:
+        """`expert` of `layer` was evicted: its memory may go back (slots are reused as is)."""
 
     @property
     def nbytes(self) -> int:
@@ -184,15 +202,23 @@ class Runtime:
         cache = self.layer_cache[layer]
         loads, hits, evicted = cache.request(layer, experts)
         self.stats.count_request(layer, hits, len(loads), evicted)
+        if evicted:
+            self.release(evicted)
         if loads:
             self._load(layer, cache, loads)
         return cache.slots(layer, ids)
+
+    def release(self, keys: list[int]) -> None:
+        """Tell the pools which keys (`layer * num_experts + expert`) were evicted."""
+        for key in keys:
+            layer, expert = divmod(key, self.plan.num_experts)
+            self.layer_pool[layer].release(layer, expert)
 
     def read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
         """Read one expert into its slot: (bytes, seconds)."""
         start = time.perf_counter()
         nbytes = self.store.read_expert(self.store_layer[layer], expert,
-                                        self.layer_pool[layer].slot(slot))
+                                        self.layer_pool[layer].destination(layer, expert, slot))
         return nbytes, time.perf_counter() - start
 
     def count_read(self, layer: int, nbytes: int, seconds: float, experts: int = 1) -> None:
@@ -241,10 +267,9 @@ class Runtime:
         """Every expert of a layer into `slots`: one read per tensor when the slots follow the
         experts in order and the file holds them so, else one read per expert. Returns
         (bytes, seconds, experts) per read."""
-        start, pool = time.perf_counter(), self.layer_pool[layer]
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
-            dest = {name: view[first : first + len(slots)] for name, view in pool.views.items()}
+        start = time.perf_counter()
+        dest = self.layer_pool[layer].layer_destination(layer, slots)
+        if dest is not None:
             nbytes = self.store.read_layer(self.store_layer[layer], dest)
             if nbytes is not None:
                 return [(nbytes, time.perf_counter() - start, len(slots))]

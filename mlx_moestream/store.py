@@ -272,16 +272,19 @@ class ExpertStore:
         return len(self.layers) - 1
 
     def _locate(self, prefix, name, shape, nbytes, num_experts) -> ExpertTensor:
-        stacked = self.tensors.get(f"{prefix}.{name}")
+        parent = prefix.rsplit(".", 1)[0]
+        # stacked as mlx-community names them, or fused as transformers 5 saves them
+        key = next((k for k in (f"{prefix}.{name}", f"{parent}.experts.{name}")
+                    if k in self.tensors), None)
+        stacked = self.tensors.get(key)
         if stacked is not None:
             if stacked.shape != (num_experts, *shape):
                 raise StoreError(
-                    f"{self.files[stacked.file]}: tensor '{prefix}.{name}' has shape "
+                    f"{self.files[stacked.file]}: tensor '{key}' has shape "
                     f"{list(stacked.shape)}, expected {[num_experts, *shape]}"
                 )
             offsets = stacked.offset + nbytes * np.arange(num_experts, dtype=np.int64)
             return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes)
-        parent = prefix.rsplit(".", 1)[0]
         proj, param = name.split(".", 1)
         for alias in PER_EXPERT_NAMES.get(proj, (proj,)):
             keys = [f"{parent}.experts.{e}.{alias}.{param}" for e in range(num_experts)]

@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_moestream
-from mlx_moestream.loader import EMBEDDED_MODEL
+from mlx_moestream.hub import EMBEDDED_MODEL
 from mlx_moestream.files import atomic_write_text
 
 PROFILES = {"italian-chat": "italian", "english-chat": "english", "python-code": "python"}

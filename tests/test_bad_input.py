@@ -8,7 +8,7 @@ import pytest
 
 import mlx_moestream
 from mlx_moestream.budget import BudgetError
-from mlx_moestream.loader import ModelError
+from mlx_moestream.hub import ModelError
 from mlx_moestream.store import ExpertStore, StoreError
 
 

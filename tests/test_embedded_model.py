@@ -9,7 +9,7 @@ import mlx_lm
 import pytest
 
 import mlx_moestream
-from mlx_moestream.loader import EMBEDDED_MODEL
+from mlx_moestream.hub import EMBEDDED_MODEL
 from mlx_moestream.profiles import js_divergence
 
 MAX_BYTES = 20 * 1024 * 1024

@@ -322,9 +322,8 @@ def test_a_profile_that_cannot_be_written_does_not_lose_the_trace(tiny_model, tm
     folder = tmp_path / "out"
     folder.mkdir()
     code = (
-        "import os, sys; from mlx_moestream import cli, loader; "
-        "save = loader.save_profile; "
-        "loader.save_profile = lambda *a: (_ for _ in ()).throw(OSError('disk full')); "
+        "import os, sys; from mlx_moestream import cli, session; "
+        "session.save_profile = lambda *a: (_ for _ in ()).throw(OSError('disk full')); "
         "cli.main()")
     out = subprocess.run(
         [sys.executable, "-c", code, "chat", "-m", str(tiny_model("qwen3_moe")), "--prompt",

@@ -173,7 +173,7 @@ def test_verify_before_any_repack_says_there_is_no_copy(model_copy):
 
 def test_repacking_the_embedded_model_writes_to_the_user_cache_not_the_package(tmp_path,
                                                                               monkeypatch):
-    from mlx_moestream.loader import resolve_model_path
+    from mlx_moestream.hub import resolve_model_path
 
     monkeypatch.setenv("HOME", str(tmp_path))
     embedded = resolve_model_path(None)

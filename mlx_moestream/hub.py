@@ -1,0 +1,49 @@
+"""Where a model's files are: a local folder, a Hugging Face repo id, or the embedded model.
+
+Backend neutral: both backends resolve models here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+# Files a model needs; the hub may hold much more (other formats, originals).
+HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+                "*.txt", "*.jinja"]
+
+
+# A small trained bilingual (Italian/English) + Python MoE shipped with the package.
+EMBEDDED_MODEL = Path(__file__).parent / "assets" / "embedded"
+
+
+class ModelError(ValueError):
+    """A model that cannot be found, read by mlx-lm, or streamed."""
+
+
+def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
+    """A local model directory, a Hugging Face repo id resolved through the local cache/hub, or
+    None / "embedded" for the model shipped with the package."""
+    if model is None or model == "embedded":
+        if not (EMBEDDED_MODEL / "config.json").exists():
+            raise ModelError(f"the embedded model is missing from {EMBEDDED_MODEL}")
+        return EMBEDDED_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelError(f"{path} is a file; give the model's directory")
+    text = str(model)
+    if isinstance(model, Path) or text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise ModelError(f"no such directory: {path} (a Hugging Face repo id is NAME or "
+                         f"OWNER/NAME)")
+    try:
+        return Path(snapshot_download(str(model), revision=revision, allow_patterns=HUB_PATTERNS))
+    except (LocalEntryNotFoundError, HfHubHTTPError, HFValidationError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelError(
+            f"'{model}' is not a local directory and could not be resolved on the Hugging Face "
+            f"hub or its local cache: {reason}"
+        ) from None

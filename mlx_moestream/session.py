@@ -1,0 +1,66 @@
+"""What a streamed model offers, whichever backend loaded it: statistics, profiles, traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from .profiles import Profile
+from .profiles import find as find_profile
+from .profiles import save_target as profile_target
+from .runtime import Runtime
+from .trace import Trace, TraceRecorder
+
+
+def as_profile(profile: str | Path | Profile) -> Profile:
+    """A profile given by name, path or as itself."""
+    return profile if isinstance(profile, Profile) else Profile.load(find_profile(str(profile)))
+
+
+def prewarm(model: Any, profile: str | Path | Profile, share: float = 1.0,
+            pin_share: float = 0.0, progress: Callable | None = None) -> dict:
+    """Load a profile's hottest experts into `share` of the budget, pin the hottest `pin_share`
+    and seed the policy with its counts. `progress(items, label)` may wrap the loads."""
+    return runtime_of(model).prewarm(as_profile(profile), share, pin_share, progress)
+
+
+def profile(model: Any, workload: str) -> Profile:
+    """This session's activation profile so far (what `save_profile` writes)."""
+    return runtime_of(model).profile(workload)
+
+
+def save_profile(model: Any, name: str | Path, workload: str | None = None) -> Path:
+    """Save this session's activation profile as NAME (in ./profiles or the user directory) or
+    a path (see `profiles.save_target`)."""
+    return profile(model, workload or Path(name).stem).save(profile_target(name))
+
+
+def start_trace(model: Any) -> None:
+    """Record the routing of every following forward call (see `save_trace`)."""
+    runtime = runtime_of(model)
+    runtime.count_deferred()
+    runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
+
+
+def save_trace(model: Any, path: str | Path) -> Trace:
+    """Write the routing recorded since `start_trace` as a .npz trace (atomically)."""
+    runtime = runtime_of(model)
+    runtime.count_deferred()
+    recorder = runtime.recorder
+    if recorder is None:
+        raise ValueError("no trace is being recorded: call start_trace(model) first")
+    trace = recorder.to_trace()
+    trace.save(path)
+    return trace
+
+
+def runtime_of(model: Any) -> Runtime:
+    runtime = getattr(model, "moestream", None)
+    if runtime is None:
+        raise ValueError("this model was not loaded by mlx_moestream.load()")
+    return runtime
+
+
+def stats(model: Any) -> dict:
+    """Cache statistics in total and per MoE layer (see `Stats`), plus budget and residency."""
+    return runtime_of(model).stats_dict()
