@@ -83,7 +83,13 @@ class ModelPlan:
     @property
     def min_budget_bytes(self) -> int:
         """The smallest budget that gives every pool room for one token's top-k experts."""
-        return max(math.ceil(self.top_k * self.layers[g[0]].expert_bytes / self._share(g))
+        return self.budget_holding(self.top_k)
+
+    def budget_holding(self, experts: int | None = None) -> int:
+        """The smallest budget that gives every pool room for `experts` at once (default: all
+        the experts of one of its layers)."""
+        return max(math.ceil((experts or self.layers[g[0]].num_experts)
+                             * self.layers[g[0]].expert_bytes / self._share(g))
                    for g in self.layer_groups())
 
     @property

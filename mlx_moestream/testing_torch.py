@@ -1,0 +1,55 @@
+"""Tiny random transformers MoE checkpoints, built from their config classes (no download).
+
+`make_tiny_hf_moe` writes what `save_pretrained` writes, in the original per-expert layout or
+transformers' fused one, with a tokenizer trained here: what `mlx_moestream.torch.load` and
+transformers' own `from_pretrained` both read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+# Small configs with enough layers that a quarter of the experts exceeds one layer's.
+COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+TINY_CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32,
+                                         num_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=8,
+                                      num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=64,
+                                     layer_types=["sliding_attention", "full_attention"] * 3)),
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32,
+                                             n_routed_experts=8, num_experts_per_tok=2,
+                                             n_shared_experts=1, n_group=2, topk_group=1,
+                                             first_k_dense_replace=1, q_lora_rank=None,
+                                             kv_lora_rank=16, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16,
+                                             head_dim=8)),  # rope runs on qk_rope_head_dim
+}
+TORCH_ARCHITECTURES = list(TINY_CONFIGS)
+
+
+def make_tiny_hf_moe(path, arch: str = "qwen3_moe", *, fused: bool = False,
+                     dtype: str = "float32", seed: int = 0) -> Path:
+    """Save a random-weight `arch` model to `path`: per-expert tensors as the original
+    checkpoints name them, or (`fused`) the `experts.gate_up_proj` tensors transformers holds."""
+    import transformers
+
+    from .testing import make_tokenizer
+
+    class_name, fields = TINY_CONFIGS[arch]
+    config = getattr(transformers, class_name)(**{**COMMON, **fields})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # the default init leaves biases and some norms at 0 or 1
+        for param in model.parameters():
+            param.normal_(0.0, 0.1)
+    path = Path(path)
+    model.save_pretrained(path, save_original_format=not fused)
+    make_tokenizer(path, vocab_size=COMMON["vocab_size"])
+    return path

@@ -1,0 +1,328 @@
+"""The torch backend: transformers MoE models whose experts stream from the checkpoint.
+
+`load()` builds the transformers model without touching its weights' memory (transformers'
+`no_init_weights`), copies in the dense weights, and gives each fused experts module
+(`@use_experts_implementation`: Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss) `[E, ...]`
+tensors over anonymous memory maps. Rows of resident experts are read from the store, an evicted
+expert's pages go back to the OS (`MADV_DONTNEED`), untouched rows cost no memory. The module
+then computes exactly as in the fully loaded model, on the same expert ids and the same bytes,
+with whatever experts implementation the model uses (eager, grouped_mm, batched_mm): its
+outputs are the same bit for bit. Before each call the runtime makes its routed experts
+resident. A call is never split (that would change the implementation's sums), so the budget
+must hold one layer's experts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import initialization as init
+
+from .budget import BudgetError, available_memory_bytes, format_bytes, resolve_budget
+from .hub import ModelError, resolve_model_path
+from .plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
+from .policies import DEFAULT_POLICY, make_policy
+from .profiles import Profile
+from .runtime import Runtime, SlotPool
+from .session import as_profile
+from .store import ExpertStore, StoreError
+
+# safetensors dtype -> (torch dtype, its name in plans)
+DTYPES = {"F32": (torch.float32, "float32"), "BF16": (torch.bfloat16, "bfloat16"),
+          "F16": (torch.float16, "float16")}
+# The per-expert checkpoint names of a fused gate_up row: gate first, then up.
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def load(model: str | Path, budget: int | str | None = None, *, device: str = "cpu",
+         policy: str = DEFAULT_POLICY, profile: str | Path | Profile | None = None,
+         prewarm_share: float = 1.0, drop_page_cache: bool = True, revision: str | None = None,
+         window_tokens: int = 32, progress: Callable | None = None,
+         experts_implementation: str | None = None):
+    """Load a transformers MoE model whose experts stream from its safetensors under `budget`;
+    returns (model, tokenizer), the model's `generate()` unchanged. `budget`, `policy`,
+    `profile` and `prewarm_share` are those of `mlx_moestream.load`; `experts_implementation`
+    is transformers' (default: its own choice)."""
+    if device != "cpu":
+        raise ValueError(f"device '{device}': the torch backend streams on the CPU only for now")
+    make_policy(policy, capacity=1, num_keys=1)  # a bad name fails before any read
+    path = resolve_model_path(model, revision)
+    store = ExpertStore(path, drop_page_cache)
+    config = AutoConfig.from_pretrained(path)
+    if experts_implementation:
+        config._experts_implementation = experts_implementation
+    experts = _experts_modules(path, config, store)
+    dtype = experts[0].dtype
+    with init.no_init_weights():  # no weight is written, so none takes memory yet
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    lm.eval()
+    modules = dict(lm.named_modules())
+    plan = _plan(path, config, store, experts, modules, _load_dense(lm, store, experts))
+    budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
+                                  plan.dense_bytes, available_memory_bytes())
+    need = plan.budget_holding()
+    if budget_bytes < need:
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the torch "
+            f"backend's minimum {format_bytes(need)} ({need} bytes): a call is computed at once, "
+            f"so every expert of one layer must fit")
+    rows = ExpertRows([_rows(modules[e.module], e, store) for e in experts])
+    runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens)
+    for i, layer in enumerate(experts):
+        _stream(modules[layer.module], i, runtime)
+    lm.moestream = runtime
+    if runtime.holds_all:
+        runtime.read_all(progress)
+    if profile is not None:
+        runtime.prewarm(as_profile(profile), prewarm_share, 0.0, progress)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
+    return lm, tokenizer
+
+
+class _Experts:
+    """One fused experts module and where its checkpoint keeps its experts."""
+
+    def __init__(self, module: str, parent: str, names: list[str], stored: str):
+        self.module = module  # e.g. model.layers.3.mlp.experts
+        self.parent = parent  # its block in the checkpoint, e.g. model.layers.3.block_sparse_moe
+        self.names = names  # checkpoint names after `experts.` (and the expert id, if any)
+        self.dtype, self.dtype_name = DTYPES[stored]
+
+
+def _renamings(config) -> list[tuple[str, str]]:
+    """transformers' own checkpoint -> module renamings for the model type (Mixtral's
+    `block_sparse_moe` -> `mlp`); the experts' conversions are done here instead."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [(t.source_patterns[0], t.target_patterns[0])
+            for t in get_checkpoint_conversion_mapping(config.model_type) or []
+            if isinstance(t, WeightRenaming)]
+
+
+def _module_name(key: str, renamings: list[tuple[str, str]]) -> str:
+    for source, target in renamings:
+        key = re.sub(source, target, key)
+    return key
+
+
+EXPERT_KEY = re.compile(r"^(?P<parent>.+)\.experts\.(?:(?P<expert>\d+)\.)?(?P<name>.+)$")
+
+
+def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
+    """Every fused experts module the model will have, from the checkpoint's names, in call
+    order: the per-expert layout (`experts.{e}.gate_proj.weight`, Mixtral's w1/w3/w2) or the
+    fused one transformers saves (`experts.gate_up_proj`)."""
+    renamings = _renamings(config)
+    found: dict[str, dict] = {}
+    for key, info in store.tensors.items():
+        match = EXPERT_KEY.match(key)
+        if not match or match["expert"] not in (None, "0"):
+            continue
+        module = _module_name(f"{match['parent']}.experts", renamings)
+        entry = found.setdefault(module, {"parent": match["parent"], "names": [], "dtypes": set()})
+        entry["names"].append(match["name"])
+        entry["dtypes"].add(info.dtype)
+    if not found:
+        raise ModelError(f"{path}: no expert tensors ('...experts.gate_up_proj' or "
+                         f"'...experts.0.gate_proj.weight'): not a Mixture-of-Experts checkpoint")
+    out = []
+    for module, entry in sorted(found.items(), key=lambda item: path_key(item[0])):
+        dtypes = sorted(entry["dtypes"])
+        if len(dtypes) != 1 or dtypes[0] not in DTYPES:
+            raise StoreError(f"{path}: the experts of {module} are stored as {dtypes}: one of "
+                             f"{sorted(DTYPES)} is needed")
+        out.append(_Experts(module, entry["parent"], entry["names"], dtypes[0]))
+    if len({e.dtype for e in out}) != 1:
+        raise StoreError(f"{path}: the experts are stored in several dtypes")
+    return out
+
+
+def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]) -> int:
+    """Give the model every checkpoint tensor that is not an expert's; returns the dense bytes.
+    Parameters become the tensors safetensors maps from the files, as `from_pretrained` does:
+    their addresses (alignment) then match the loaded model's, and CPU kernels round alike.
+    A parameter the checkpoint lacks is an error (tied ones excepted)."""
+    renamings = _renamings(lm.config)
+    params = dict(lm.named_parameters())
+    buffers = dict(lm.named_buffers())
+    expert_params = {n for n in params if any(n.startswith(e.module + ".") for e in experts)}
+    by_file: dict[int, list[str]] = {}
+    for key, info in store.tensors.items():
+        by_file.setdefault(info.file, []).append(key)
+    loaded, nbytes = set(), 0
+    with torch.no_grad():
+        for file, keys in by_file.items():
+            if store.files[file].suffix != ".safetensors":
+                continue  # a repacked copy of the experts
+            with safe_open(str(store.files[file]), framework="pt") as f:
+                for key in keys:
+                    name = _module_name(key, renamings)
+                    if name in expert_params or (name not in params and name not in buffers):
+                        continue
+                    target = params.get(name, buffers.get(name))
+                    tensor = f.get_tensor(key).to(target.dtype)
+                    if tensor.shape != target.shape:
+                        raise ModelError(f"{store.files[file]}: tensor '{key}' has shape "
+                                         f"{list(tensor.shape)}, the model's {name} "
+                                         f"{list(target.shape)}")
+                    if name in params:
+                        owner, attr = name.rsplit(".", 1)
+                        setattr(lm.get_submodule(owner), attr,
+                                torch.nn.Parameter(tensor, requires_grad=False))
+                    else:
+                        target.copy_(tensor)
+                    loaded.add(name)
+                    nbytes += tensor.nbytes
+    lm.tie_weights()
+    missing = [n for n, _ in lm.named_parameters() if n not in loaded and n not in expert_params]
+    if missing:
+        raise ModelError(f"{store.model_dir}: the checkpoint has no tensor for {missing[0]}"
+                         + (f" and {len(missing) - 1} more parameters" if len(missing) > 1 else ""))
+    return nbytes
+
+
+def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modules: dict,
+          dense_bytes: int) -> ModelPlan:
+    """The plan the MLX backend makes of the same checkpoint: its layer paths name the
+    checkpoint's blocks as mlx-lm does (`PARENT.switch_mlp`), so a profile fits both."""
+    layers = []
+    for e in experts:
+        module = modules.get(e.module)
+        if module is None or not hasattr(module, "down_proj"):
+            raise ModelError(f"{path}: {e.module} is not a fused experts module of "
+                             f"{type(modules.get(e.module.rsplit('.', 1)[0])).__name__}")
+        specs = {}
+        for name in e.names:
+            fused = store.tensors.get(f"{e.parent}.experts.{name}")
+            if fused is not None:  # [E, ...]
+                spec = (fused.shape[1:], e.dtype_name, fused.nbytes // fused.shape[0])
+            else:
+                info = store.tensors[f"{e.parent}.experts.0.{name}"]
+                spec = (info.shape, e.dtype_name, info.nbytes)
+            specs[_canonical(name)] = (tuple(spec[0]), *spec[1:])
+        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", module.num_experts, specs))
+    raw = read_config(path)
+    return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
+
+
+PER_EXPERT_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _canonical(name: str) -> str:
+    """The store's name of a per-expert tensor (Mixtral's `w1.weight` -> `gate_proj.weight`)."""
+    proj, _, param = name.partition(".")
+    return f"{PER_EXPERT_ALIASES.get(proj, proj)}.{param}" if param else name
+
+
+def _rows(module: torch.nn.Module, experts: _Experts, store: ExpertStore) -> dict:
+    """Give the module's expert parameters anonymous `[E, ...]` memory maps; returns the byte
+    views a read of each store tensor lands in, per expert (`view[e]`), and the maps."""
+    views, maps = {}, []  # maps: (memory map, offset of row 0, bytes of one expert's row)
+    for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                 "down_proj_bias"):
+        param = getattr(module, name, None)
+        if not isinstance(param, torch.nn.Parameter):
+            continue
+        # where `from_pretrained` would have it: in the file's map (fused checkpoints), or in
+        # memory of its own (the per-expert tensors it merges), aligned as torch aligns
+        fused = store.tensors.get(f"{experts.parent}.experts.{name}")
+        offset = fused.offset % mmap.PAGESIZE if fused is not None else 0
+        tensor, buffer = _mapped(param.shape, param.dtype, offset)
+        maps.append((buffer, offset, tensor.nbytes // param.shape[0]))
+        setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
+        views[name] = tensor.view(torch.uint8).numpy()  # [E, ..., bytes]
+    out = {}
+    for stored in map(_canonical, experts.names):
+        proj, _, param = stored.partition(".")
+        if not param:  # the fused layout: one module parameter per stored tensor
+            out[stored] = views[stored]
+        elif proj in GATE_UP and "gate_up_proj" in views and param == "weight":
+            if module.is_transposed or not module.is_concatenated:
+                raise ModelError(f"{experts.module}: per-expert checkpoints of a transposed or "
+                                 f"interleaved gate_up layout are not supported")
+            gate_up = views["gate_up_proj"]
+            half = gate_up.shape[1] // 2
+            out[stored] = gate_up[:, :half] if proj == "gate_proj" else gate_up[:, half:]
+        elif proj in views and param == "weight":
+            out[stored] = views[proj]
+        else:
+            raise ModelError(f"{experts.module}: no parameter takes the checkpoint's '{stored}'")
+    return {"views": out, "maps": maps}
+
+
+def _mapped(shape: torch.Size, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A zero tensor over an anonymous map, starting `offset` bytes into its first page (CPU
+    kernels round by alignment: it must be the loaded model's); pages are backed once written."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, offset + max(nbytes, 1))
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape), buffer
+
+
+class ExpertRows:
+    """The expert tensors of every layer, indexed by expert id: a read of (layer, expert) lands
+    in that expert's row, wherever the cache put its slot; the cache's slots only count."""
+
+    def __init__(self, layers: list[dict]):
+        self.views = [layer["views"] for layer in layers]
+        self.maps = [layer["maps"] for layer in layers]
+
+    def pool(self, like: ExpertLayer, num_slots: int) -> SlotPool:
+        return _RowPool(self, like, num_slots)
+
+
+class _RowPool(SlotPool):
+    def __init__(self, rows: ExpertRows, like: ExpertLayer, num_slots: int):
+        self.rows, self.num_slots = rows, num_slots
+        self.views = {}  # no slot memory of its own: rows live in the layers' maps
+        self._nbytes = num_slots * like.expert_bytes
+
+    def destination(self, layer: int, expert: int, slot: int) -> dict[str, np.ndarray]:
+        return {name: view[expert] for name, view in self.rows.views[layer].items()}
+
+    def layer_destination(self, layer: int, slots: list[int]) -> dict[str, np.ndarray] | None:
+        views = self.rows.views[layer]
+        return views if all(v.flags.c_contiguous for v in views.values()) else None
+
+    def release(self, layer: int, expert: int) -> None:
+        """Hand back the pages that lie wholly inside the expert's rows (a page shared with a
+        neighbouring expert stays: it may be resident)."""
+        page = mmap.PAGESIZE
+        for buffer, offset, size in self.rows.maps[layer]:
+            start = -(-(offset + expert * size) // page) * page
+            end = (offset + (expert + 1) * size) // page * page
+            if end > start:
+                buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def _stream(module: torch.nn.Module, layer: int, runtime: Runtime) -> None:
+    """Before each call of the experts module, make its routed experts resident; the call
+    itself runs under the runtime's lock, so no other thread's call evicts them meanwhile."""
+    forward = module.forward
+    num_experts = runtime.plan.layers[layer].num_experts
+
+    def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
+        with runtime.lock:
+            ids = top_k_index.detach().to("cpu").numpy()
+            if runtime.route(layer, ids) is None:
+                raise BudgetError(
+                    f"layer {layer}: a call routes to more experts than the budget holds at "
+                    f"once ({runtime.capacity(layer)} of {num_experts}); raise the budget")
+            return forward(hidden_states, top_k_index, *args, **kwargs)
+
+    module.forward = streaming_forward
