@@ -6,7 +6,9 @@ import json
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -74,44 +76,54 @@ def main() -> None:
               help="Predict each next layer's experts and read them during compute.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Record the routing to this .npz trace on exit.")
+@click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
+              help="mlx: an mlx-lm model; torch: a transformers model (pip install "
+                   "'mlx-moestream[torch]').")
+@click.option("--device", default="cpu", show_default=True, help="The torch backend's device.")
 def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_share, pin_share,
-         per_layer, prefetch, trace_path):
+         per_layer, prefetch, trace_path, backend, device):
     """Chat with a model; tokens stream as generated, cache statistics follow each answer."""
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from . import loader, session
-
+    from . import session
     from .profiles import save_target
 
     to_load = [name for action, name in profiles if action == "load"]
     to_save = [name for action, name in profiles if action == "save"]
     if len(to_load) > 1:
         raise click.UsageError("--profile load may be given once")
+    if backend == "torch" and model is None:
+        raise click.UsageError("--backend torch needs --model: the embedded model is an MLX model")
+    if backend == "torch" and (per_layer or pin_share or prefetch):
+        raise click.UsageError("--per-layer, --pin-share and --prefetch need --backend mlx")
     try:  # every output is checked before the session, not found unwritable at its end
         targets = [save_target(name) for name in to_save]
         if trace_path:
             _check_writable(Path(trace_path))
-        lm, tokenizer = loader.load(model, budget, policy, to_load[0] if to_load else None,
-                                    prewarm_share=prewarm_share, pin_share=pin_share,
-                                    per_layer=per_layer, prefetch=prefetch, progress=_progress)
+        profile = to_load[0] if to_load else None
+        if backend == "torch":
+            from . import torch as moestream_torch
+
+            lm, tokenizer = moestream_torch.load(model, budget, device=device, policy=policy,
+                                                 profile=profile, prewarm_share=prewarm_share,
+                                                 progress=_progress)
+            reply = partial(_torch_reply, lm, tokenizer, max_tokens, temp)
+        else:
+            from . import loader
+
+            lm, tokenizer = loader.load(model, budget, policy, profile,
+                                        prewarm_share=prewarm_share, pin_share=pin_share,
+                                        per_layer=per_layer, prefetch=prefetch, progress=_progress)
+            reply = partial(_mlx_reply, lm, tokenizer, max_tokens, temp)
     except (ValueError, OSError) as e:
         _fail(e)
     if trace_path:
         session.start_trace(lm)
-    sampler = make_sampler(temp=temp)
     history: list[dict] = []
 
     def answer(text: str) -> None:
         history.append({"role": "user", "content": text})
-        tokens = tokenizer.apply_chat_template(history, add_generation_prompt=True)
-        reply = []
-        for response in stream_generate(lm, tokenizer, tokens, max_tokens=max_tokens, sampler=sampler):
-            click.echo(response.text, nl=False)
-            reply.append(response.text)
-        click.echo()
-        history.append({"role": "assistant", "content": "".join(reply)})
-        click.echo(format_stats(session.stats(lm), response))
+        text, timing = reply(history)
+        history.append({"role": "assistant", "content": text})
+        click.echo(format_stats(session.stats(lm), timing))
 
     failed = None
     try:
@@ -140,6 +152,56 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                 failed = failed or e
     if failed:
         _fail(failed)
+
+
+def _mlx_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict]):
+    """Stream an mlx-lm answer to `history`; returns its text and mlx-lm's last response."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    tokens = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    reply = []
+    for response in stream_generate(lm, tokenizer, tokens, max_tokens=max_tokens,
+                                    sampler=make_sampler(temp=temp)):
+        click.echo(response.text, nl=False)
+        reply.append(response.text)
+    click.echo()
+    return "".join(reply), response
+
+
+@dataclass
+class _Timing:
+    """What format_stats shows of a generation (the fields of mlx-lm's response)."""
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+
+
+def _torch_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict]):
+    """Stream a transformers `generate()` answer to `history`; returns its text and timing."""
+    import torch
+    from transformers import TextStreamer
+
+    class Echo(TextStreamer):
+        first = None
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            self.first = self.first or time.perf_counter()
+            click.echo(text, nl=stream_end)
+
+    tokens = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    streamer = Echo(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    start = time.perf_counter()
+    out = lm.generate(torch.tensor([tokens]), max_new_tokens=max_tokens, do_sample=temp > 0,
+                      temperature=temp or None, streamer=streamer,
+                      pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    end, first = time.perf_counter(), streamer.first or time.perf_counter()
+    generated = out.shape[-1] - len(tokens)
+    text = tokenizer.decode(out[0, len(tokens):], skip_special_tokens=True)
+    return text, _Timing(len(tokens), len(tokens) / max(first - start, 1e-9), generated,
+                         generated / max(end - start, 1e-9))
 
 
 def _check_writable(path: Path) -> None:

@@ -54,17 +54,8 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         raise ValueError(f"device '{device}': the torch backend streams on the CPU only for now")
     make_policy(policy, capacity=1, num_keys=1)  # a bad name fails before any read
     path = resolve_model_path(model, revision)
-    store = ExpertStore(path, drop_page_cache)
-    config = AutoConfig.from_pretrained(path)
-    if experts_implementation:
-        config._experts_implementation = experts_implementation
-    experts = _experts_modules(path, config, store)
-    dtype = experts[0].dtype
-    with init.no_init_weights():  # no weight is written, so none takes memory yet
-        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    lm.eval()
+    lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation)
     modules = dict(lm.named_modules())
-    plan = _plan(path, config, store, experts, modules, _load_dense(lm, store, experts))
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
                                   plan.dense_bytes, available_memory_bytes())
     need = plan.budget_holding()
@@ -87,6 +78,27 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     except (OSError, ValueError) as e:
         raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
     return lm, tokenizer
+
+
+def min_budget_bytes(model: str | Path, revision: str | None = None) -> int:
+    """The smallest budget `load` takes for this model: every expert of one layer."""
+    return _build(resolve_model_path(model, revision), False, None)[3].budget_holding()
+
+
+def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None):
+    """The model with its dense weights and untouched expert parameters, its store, its
+    experts modules and its plan."""
+    store = ExpertStore(path, drop_page_cache)
+    config = AutoConfig.from_pretrained(path)
+    if experts_implementation:
+        config._experts_implementation = experts_implementation
+    experts = _experts_modules(path, config, store)
+    with init.no_init_weights():  # no weight is written, so none takes memory yet
+        lm = AutoModelForCausalLM.from_config(config, dtype=experts[0].dtype)
+    lm.eval()
+    modules = dict(lm.named_modules())
+    plan = _plan(path, config, store, experts, modules, _load_dense(lm, store, experts))
+    return lm, store, experts, plan
 
 
 class _Experts:

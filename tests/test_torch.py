@@ -1,0 +1,180 @@
+"""The torch backend streams transformers MoE models exactly: equal to `from_pretrained`'s."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import mlx_moestream  # noqa: E402
+import mlx_moestream.torch as moestream_torch  # noqa: E402
+from mlx_moestream.budget import BudgetError  # noqa: E402
+from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, make_tiny_hf_moe  # noqa: E402
+
+PROMPT = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0))
+DECODE = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory):
+    """Build (once per session) a tiny transformers checkpoint; same arguments, same folder."""
+    root, built = tmp_path_factory.mktemp("hf"), {}
+
+    def build(arch="qwen3_moe", fused=False, dtype="float32"):
+        key = (arch, fused, dtype)
+        if key not in built:
+            built[key] = make_tiny_hf_moe(root / "-".join(map(str, key)), arch, fused=fused,
+                                          dtype=dtype)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Prefill logits and greedy decode of the fully loaded model (`from_pretrained`)."""
+    cache = {}
+
+    def get(path, dtype):
+        if path not in cache:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            cache[path] = run(model)
+        return cache[path]
+
+    return get
+
+
+def run(model):
+    with torch.no_grad():
+        prefill = model(PROMPT).logits
+    out = model.generate(PROMPT, **DECODE)
+    return prefill, out.sequences, out.logits
+
+
+def assert_equal_runs(got, expected):
+    (prefill, tokens, steps), (prefill_ref, tokens_ref, steps_ref) = got, expected
+    assert torch.equal(prefill, prefill_ref)
+    assert torch.equal(tokens, tokens_ref)
+    assert len(steps) == len(steps_ref)
+    assert all(torch.equal(a, b) for a, b in zip(steps, steps_ref))
+
+
+@pytest.mark.parametrize("budget", ["min", "25%", "100%"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
+@pytest.mark.parametrize("arch", TORCH_ARCHITECTURES)
+def test_torch_backend_matches_the_loaded_model_bit_for_bit(hf_model, hf_reference, arch, fused,
+                                                            dtype, budget):
+    path = hf_model(arch, fused, dtype)
+    if budget == "min":
+        budget = moestream_torch.min_budget_bytes(path)
+    model, _ = moestream_torch.load(path, budget=budget)
+    assert_equal_runs(run(model), hf_reference(path, getattr(torch, dtype)))
+    stats = mlx_moestream.stats(model)
+    assert stats["resident_bytes"] <= stats["budget_bytes"]
+    assert (stats["evictions"] > 0) == (budget != "100%")
+
+
+def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference):
+    """Negative control: the same experts in a permuted [E, ...] pool, ids remapped to it (what
+    a compact slot pool does), change float32 grouped_mm's sums, and the test above sees it."""
+    path = hf_model("qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              experts_implementation="grouped_mm")
+    perm = torch.from_numpy(np.random.default_rng(0).permutation(8))
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        with torch.no_grad():
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(experts, name)
+                shuffled = torch.empty_like(weight)
+                shuffled[perm] = weight
+                setattr(experts, name, torch.nn.Parameter(shuffled, requires_grad=False))
+        forward = experts.forward
+        experts.forward = lambda h, ids, w, forward=forward: forward(h, perm[ids], w)
+    with pytest.raises(AssertionError):
+        assert_equal_runs(run(model), hf_reference(path, torch.float32))
+
+
+def test_a_budget_below_one_layer_of_experts_is_a_clear_error(hf_model):
+    path = hf_model("qwen3_moe")
+    need = moestream_torch.min_budget_bytes(path)
+    with pytest.raises(BudgetError, match="every expert of one layer must fit"):
+        moestream_torch.load(path, budget=need - 1)
+
+
+def test_torch_and_mlx_runtimes_make_the_same_decisions_on_one_trace(hf_model):
+    """Same checkpoint, same budget, same routing: the same hits, misses and evictions."""
+    path = hf_model("mixtral")
+    torch_model, _ = moestream_torch.load(path, budget="40%")
+    mlx_model, _ = mlx_moestream.load(path, budget="40%")
+    runtimes = [torch_model.moestream, mlx_model.moestream]
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        for layer in range(6):
+            ids = rng.choice(8, size=(1, 2), replace=False)
+            for runtime in runtimes:
+                runtime.route(layer, ids)
+    counts = [{k: [l[k] for l in mlx_moestream.stats(m)["layers"]]
+               for k in ("hits", "misses", "evictions")} for m in (torch_model, mlx_model)]
+    assert counts[0] == counts[1] and sum(counts[0]["evictions"]) > 0
+
+
+@pytest.mark.parametrize("direction", ["mlx_to_torch", "torch_to_mlx"])
+def test_a_profile_recorded_on_one_backend_prewarms_the_other(hf_model, tmp_path, direction):
+    path = hf_model("mixtral")
+    if direction == "mlx_to_torch":
+        import mlx.core as mx
+
+        source, _ = mlx_moestream.load(path, budget="100%")
+        mx.eval(source(mx.array(PROMPT.numpy())))
+        load = moestream_torch.load
+    else:
+        source, _ = moestream_torch.load(path, budget="100%")
+        run(source)
+        load = mlx_moestream.load
+    saved = mlx_moestream.save_profile(source, tmp_path / "p.json", workload="w")
+    model, _ = load(path, budget="50%", profile=saved)
+    prewarm = mlx_moestream.stats(model)["prewarm"]
+    assert prewarm["profile"] == "w" and prewarm["experts"] > 0
+
+
+def chat(*args):
+    return subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "chat", "--backend", "torch",
+                           *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_chat_with_the_torch_backend_answers_and_reports_the_cache(hf_model):
+    out = chat("-m", hf_model("mixtral"), "--budget", "40%", "--prompt", "Ciao", "-n", 6)
+    assert out.returncode == 0, out.stderr
+    assert "generated at" in out.stdout and "experts, session so far: hit rate" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "--backend torch needs --model"),
+    (("--prefetch",), "need --backend mlx"),
+])
+def test_chat_with_the_torch_backend_refuses_what_it_cannot_do(hf_model, args, message):
+    model = () if not args else ("-m", hf_model("mixtral"))
+    out = chat(*model, *args, "--prompt", "Ciao")
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_readme_torch_commands_run_as_written(tmp_path):
+    """The README's torch block past its installs (which this environment has done), then its
+    Python example, in one folder."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = re.search(r'pip install -q "\.\[torch\]" && (python -c .*)\n', readme).group(1)
+    done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    example = re.search(r"```python\n(import mlx_moestream, mlx_moestream.torch\n.*?)```", readme,
+                        re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
