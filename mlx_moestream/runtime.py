@@ -158,7 +158,7 @@ class Runtime:
                 self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
             routed, ids = self._unmasked(layer, ids)
             self.stats.route(layer, routed)
-            experts = np.unique(routed)
+            experts = np.unique(ids)  # routed ones; expert 0 where the call masked every id
             if self.prefetch:
                 self.prefetch.score(layer, experts, tally=ids.size == ids.shape[-1])
             if len(experts) > self.capacity(layer):

@@ -108,6 +108,14 @@ def test_masked_expert_ids_do_not_trigger_loads(tiny_model):
     assert mlx_moestream.stats(model)["layers"][0]["loads"] == 1
 
 
+def test_a_call_with_every_id_masked_computes_from_a_loaded_slot(tiny_model):
+    """Its filled ids point at expert 0, which is read: no slot -1, no unread slot."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%")
+    experts = model.model.layers[0].mlp.switch_mlp
+    mx.eval(experts(mx.ones((1, 2, 64)), mx.array([[[-1, 8], [8, -1]]])))
+    assert mlx_moestream.stats(model)["layers"][0]["loads"] == 1
+
+
 def test_experts_are_not_model_parameters(tiny_model):
     from mlx.utils import tree_flatten
 
