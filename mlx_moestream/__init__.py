@@ -10,8 +10,8 @@ from importlib.metadata import version
 from . import stats as _stats_module  # noqa: F401  first: a later import would rebind `stats`
 
 __version__ = version("mlx-moestream")
-__all__ = ["load", "prewarm", "profile", "run_text", "save_profile", "save_trace", "start_trace",
-           "stats"]
+__all__ = ["host_stats", "load", "prewarm", "profile", "run_text", "save_profile", "save_trace",
+           "start_trace", "stats"]
 
 
 def stats(model) -> dict:
@@ -22,7 +22,7 @@ def stats(model) -> dict:
 
 
 def __getattr__(name: str):
-    if name in ("load", "run_text"):
+    if name in ("host_stats", "load", "run_text"):
         from . import loader
 
         return getattr(loader, name)

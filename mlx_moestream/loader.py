@@ -7,6 +7,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -17,7 +18,7 @@ from .plan import ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
 from .profiles import Profile
 from .runtime import Runtime
-from .session import as_profile
+from .session import as_profile, runtime_of
 from .store import ExpertStore
 
 
@@ -59,6 +60,8 @@ def load(
     progress: Callable | None = None,
     revision: str | None = None,
     window_tokens: int = 32,
+    distributed: bool = False,
+    timeout_seconds: float = 120.0,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an MoE model for `mlx_lm.generate` / `stream_generate`, streaming its experts.
 
@@ -76,10 +79,22 @@ def load(
     name from `policies.POLICIES`, with options as `NAME:OPTION=VALUE,...` (`wlfu:half_life=128`).
     `progress(items, label)`, a context manager, may wrap the reads at load (a progress bar):
     the pre-warm's, or every expert's when the budget holds them all.
+    `distributed`, in a program started by `mlx.launch`, divides every layer's experts among
+    the hosts (contiguous ranges; dense weights replicated): each streams its own under its own
+    `budget`, and the hosts exchange each MoE layer's outputs (see `mlx_backend.HostExperts`);
+    an exchange waiting longer than `timeout_seconds` ends the process with an error.
     """
     make_policy(policy, capacity=1, num_keys=1)  # a bad name, option or value fails before any read
+    group = _host_group() if distributed else None
+    if group is not None and (profile is not None or prefetch or per_layer):
+        raise ValueError("distributed loads take no profile, prefetch or per-layer split yet")
     path = resolve_model_path(model, revision)
     lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
+    if group is not None:
+        try:
+            plan = plan.host_share(group.rank(), group.size())
+        except ValueError as e:
+            raise ModelError(f"{path}: {e}") from None
     budget_bytes = resolve_budget(
         "auto" if budget is None else budget, plan.expert_bytes, plan.dense_bytes, memory_bytes()
     )
@@ -89,11 +104,39 @@ def load(
     weights = profile.working_set() if per_layer and profile is not None else None
     runtime = Runtime(plan, store, budget_bytes, MLXSlotPool, policy, window_tokens, per_layer,
                       weights)
-    attach(runtime, lazy_model, prefetch, progress)
+    if group is not None:
+        runtime.host = (group.rank(), group.size())
+    attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
     mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
     if profile is not None:
         runtime.prewarm(profile, prewarm_share, pin_share, progress)
     return lazy_model, tokenizer
+
+
+def _host_group():
+    """This process's group of hosts; an error unless `mlx.launch` started two or more."""
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise ValueError("distributed=True needs two or more processes started by mlx.launch "
+                         "(e.g. mlx.launch --backend ring -n 2 script.py)")
+    return group
+
+
+HOST_COUNTERS = ("tokens", "hits", "misses", "loads", "evictions", "bytes_read", "read_ms")
+
+
+def host_stats(model: nn.Module) -> dict:
+    """Every host's statistics and their sums, on every host: a collective call, so every
+    host must make it (as they make every forward call)."""
+    runtime = runtime_of(model)
+    mine = runtime.stats_dict()
+    hosts = mx.distributed.all_gather(mx.array([float(mine[k]) for k in HOST_COUNTERS]))
+    rows = np.array(hosts).reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
+    per_host = [dict(zip(HOST_COUNTERS, row)) for row in rows]
+    total = {k: sum(h[k] for h in per_host) for k in HOST_COUNTERS[1:]}
+    total["tokens"] = per_host[0]["tokens"]
+    total["hit_rate"] = total["hits"] / max(1.0, total["hits"] + total["misses"])
+    return {"hosts": per_host, "combined": total}
 
 
 def run_text(model: nn.Module, tokenizer: TokenizerWrapper, text: str,

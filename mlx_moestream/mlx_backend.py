@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
+import sys
 import threading
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -184,12 +187,72 @@ class DeferredRouting:
                     runtime.route(layer, np.array(indices))
 
 
-def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=None) -> None:
+class HostExperts(nn.Module):
+    """Expert parallelism: this host computes the positions routed to its own experts and
+    zeros elsewhere, and an `all_sum` over the hosts gives every host every position's output,
+    exactly the single host's (x + 0 is x). Selecting, not multiplying, keeps whatever a
+    position of another host's expert computed here (from any slot) out of the sum."""
+
+    def __init__(self, local: nn.Module, first: int, count: int, group, watchdog: "Watchdog"):
+        super().__init__()
+        object.__setattr__(self, "local", local)  # StreamingExperts or ResidentExperts
+        object.__setattr__(self, "first", first)
+        object.__setattr__(self, "count", count)
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "watchdog", watchdog)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        ids = indices.astype(mx.int32) - self.first
+        owned = (ids >= 0) & (ids < self.count)
+        ids = mx.where(owned, ids, -1)  # another host's: masked, never read here
+        if isinstance(self.local, StreamingExperts) and not np.array(owned).any():
+            # none of this call is ours: zeros of the output's shape and dtype (the probe's
+            # graph is never evaluated)
+            probe = self.local.inner(x, mx.zeros(indices.shape, mx.uint32))
+            y = mx.zeros(probe.shape, probe.dtype)
+        else:
+            y = mx.where(owned[..., None], self.local(x, ids), 0)
+        y = mx.distributed.all_sum(y, group=self.group)
+        with self.watchdog:
+            mx.eval(y)
+        return y
+
+
+class Watchdog:
+    """Ends the process with a clear error when a step that waits on the other hosts takes
+    longer than `seconds`: a host that hangs or cannot be reached must not hang the others
+    (one that exits closes its connections, and the ring backend raises at once)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.deadline: float | None = None
+        threading.Thread(target=self._watch, daemon=True, name="moestream-watchdog").start()
+
+    def __enter__(self) -> None:
+        self.deadline = time.monotonic() + self.seconds
+
+    def __exit__(self, *exc) -> None:
+        self.deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"Error: no answer from the other hosts for {self.seconds:g} s: a host "
+                      "has stopped or cannot be reached", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
+def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=None,
+           group=None, timeout_seconds: float = 120.0) -> None:
     """Swap every expert module of `model` for one that computes from the runtime's slot pools
     (its lazy experts drop out of the model). When every expert has a slot, read them all now,
     as stock mlx-lm reads its weights, and compute without host syncs (`ResidentExperts`);
     else stream (`StreamingExperts`), predicting each next layer's experts with its own router
-    when `prefetch`. `progress(items, label)` may wrap the reads."""
+    when `prefetch`. `progress(items, label)` may wrap the reads. With a distributed `group`,
+    the runtime serves this host's experts (`ModelPlan.host_share`) and each module is wrapped
+    in `HostExperts`, whose exchanges time out after `timeout_seconds`."""
     found = expert_modules(model)
     for i, (path, module) in enumerate(found):
         for name, array in runtime.layer_pool[i].arrays.items():
@@ -199,16 +262,21 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
         deferred = DeferredRouting(runtime)
         runtime.count_deferred = deferred.count
     routers = {}
+    watchdog = Watchdog(timeout_seconds) if group is not None else None
     for i, (path, module) in enumerate(found):
         parent_path, attr = path.rsplit(".", 1)
         parent = _get_path(model, parent_path)
         if runtime.holds_all:
             row = runtime.slot_map(i)
             slot_map = mx.array(np.append(row, row[0]))  # masked ids: expert 0's slot
-            setattr(parent, attr, ResidentExperts(module, i, slot_map, deferred))
+            experts = ResidentExperts(module, i, slot_map, deferred)
         else:
-            setattr(parent, attr, StreamingExperts(module, i, runtime))
-            routers[i] = _router(parent, runtime.plan.layers[i].num_experts)
+            experts = StreamingExperts(module, i, runtime)
+            routers[i] = _router(parent, runtime.plan.layers[i].num_experts)  # not shared
+        if group is not None:
+            layer = runtime.plan.layers[i]
+            experts = HostExperts(experts, layer.first_expert, layer.num_experts, group, watchdog)
+        setattr(parent, attr, experts)
     model.moestream = runtime
     if prefetch:
         runtime.enable_prefetch(_predictor(routers, runtime.plan.top_k))

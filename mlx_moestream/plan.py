@@ -27,6 +27,10 @@ class ExpertLayer:
     num_experts: int
     # Per-expert parameter name (`gate_proj.weight`, ...) -> (shape, dtype name, bytes) of one expert.
     specs: dict[str, tuple[tuple[int, ...], str, int]]
+    # A host's share (expert parallelism): its experts 0..num_experts-1 are the layer's
+    # first_expert.. of all `total_experts` (0: the layer has just these)
+    first_expert: int = 0
+    total_experts: int = 0
 
     @property
     def signature(self) -> tuple:
@@ -99,6 +103,17 @@ class ModelPlan:
         digest = hashlib.sha256(json.dumps([self.config_hash, shapes]).encode()).hexdigest()
         return {"model_type": self.model_type, "moe_layers": self.num_layers,
                 "experts": self.num_experts, "top_k": self.top_k, "fingerprint": digest[:16]}
+
+    def host_share(self, host: int, hosts: int) -> ModelPlan:
+        """The plan of one host of `hosts` that each serve a contiguous range of every layer's
+        experts (expert parallelism): its budget, pools and caches cover its experts alone."""
+        layers = []
+        for l in self.layers:
+            first, end = host * l.num_experts // hosts, (host + 1) * l.num_experts // hosts
+            if end == first:
+                raise ValueError(f"{l.path} has {l.num_experts} experts: too few for {hosts} hosts")
+            layers.append(ExpertLayer(l.path, end - first, l.specs, first, l.num_experts))
+        return ModelPlan(self.model_type, self.top_k, layers, self.dense_bytes, self.config_hash)
 
     def describe(self) -> dict:
         return {

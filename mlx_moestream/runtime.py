@@ -92,11 +92,13 @@ class Runtime:
         # a backend that counts routing after the fact (all experts resident) flushes it here
         self.count_deferred: Callable[[], None] = lambda: None
         self.prewarm_info: dict | None = None
+        self.host = (0, 1)  # (this host, hosts) under expert parallelism
         self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
         self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
         self.store_layer = [
             store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
-                            l.num_experts)
+                            l.total_experts or l.num_experts,
+                            range(l.first_expert, l.first_expert + l.num_experts))
             for l in plan.layers
         ]
         store.open()  # before any reader thread
@@ -354,6 +356,8 @@ class Runtime:
             slots=sum(p.num_slots for p in self.pools),
             policy=self.policy,
             prefetch=self.prefetch is not None,
+            host=self.host[0],
+            hosts=self.host[1],
             prewarm=self.prewarm_info and self._prewarm_effect(out["hits"], out["misses"]),
         )
         for i, layer in enumerate(out["layers"]):

@@ -243,13 +243,16 @@ class ExpertStore:
         # what each file was when indexed: a read checks the file still is (see `_read_run`)
         self.identity = [(st.st_size, st.st_mtime_ns) for st in map(os.stat, self.files)]
 
-    def add_layer(self, prefix: str, params: dict[str, tuple[tuple[int, ...], int]], num_experts: int) -> int:
+    def add_layer(self, prefix: str, params: dict[str, tuple[tuple[int, ...], int]], num_experts: int,
+                  share: range | None = None) -> int:
         """Locate a MoE layer's expert tensors; returns the layer's index in this store.
 
         `prefix` is the expert module's parameter path (e.g. `model.layers.3.mlp.switch_mlp`),
         `params` maps its per-expert parameter names (`gate_proj.weight`, ...) to the shape and
         byte size of one expert's slice. Stacked checkpoints hold `{prefix}.{name}` of shape
         [E, ...]; per-expert Hugging Face checkpoints hold `{parent}.experts.{e}.{proj}.{param}`.
+        `share` serves only those of the layer's `num_experts` (a host's experts): the layer's
+        expert i is then `share[i]`.
         """
         packed = self.repacked.get(prefix)
         sizes = {name: nbytes for name, (_, nbytes) in params.items()}
@@ -268,6 +271,16 @@ class ExpertStore:
             self.blocks.append(None)
             self.checksums.append(None)
             self.verified.append(None)
+        if share is not None:
+            part = slice(share.start, share.stop)
+            located = [ExpertTensor(t.name, t.files[part], t.offsets[part], t.nbytes)
+                       for t in located]
+            for per_expert in (self.checksums, self.verified):
+                if per_expert[-1] is not None:
+                    per_expert[-1] = per_expert[-1][part]
+            if self.blocks[-1] is not None:  # a repacked block is found from expert 0's
+                offset, stride = self.blocks[-1]
+                self.blocks[-1] = (offset + share.start * stride, stride)
         self.layers.append(located)
         return len(self.layers) - 1
 

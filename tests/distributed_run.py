@@ -1,0 +1,55 @@
+"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: loads a model with
+expert parallelism, checks it against single-process stock mlx-lm and prints one JSON line."""
+
+import json
+import sys
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_moestream
+from mlx_moestream.store import ExpertStore
+
+PROMPT = mx.array(np.random.default_rng(0).integers(3, 500, size=(1, 32)))
+
+
+def greedy_logits(model, decode_tokens: int = 12) -> list[mx.array]:
+    cache = make_prompt_cache(model)
+    logits = [model(PROMPT, cache=cache)]
+    token = mx.argmax(logits[-1][:, -1], axis=-1)
+    for _ in range(decode_tokens):
+        logits.append(model(token[:, None], cache=cache))
+        token = mx.argmax(logits[-1][:, -1], axis=-1)
+    mx.eval(logits)
+    return logits
+
+
+def reads_only_its_experts(runtime) -> bool:
+    """Every byte range this host's store can read is one of its own experts'."""
+    full = ExpertStore(runtime.store.model_dir)
+    for i, layer in enumerate(runtime.plan.layers):
+        specs = {n: (shape, nbytes) for n, (shape, _, nbytes) in layer.specs.items()}
+        whole = full.layers[full.add_layer(layer.path, specs, layer.total_experts)]
+        share = slice(layer.first_expert, layer.first_expert + layer.num_experts)
+        mine = runtime.store.layers[runtime.store_layer[i]]
+        if any((a.offsets != b.offsets[share]).any() for a, b in zip(mine, whole)):
+            return False
+    return True
+
+
+path, budget = sys.argv[1], sys.argv[2]
+expected = greedy_logits(mlx_lm.load(path)[0])
+model, _ = mlx_moestream.load(path, budget=budget, distributed=True)
+got = greedy_logits(model)
+stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
+print(json.dumps({
+    "host": stats["host"],
+    "equal": all(mx.array_equal(a, b).item() for a, b in zip(expected, got)),
+    "evictions": stats["evictions"],
+    "loads": stats["loads"],
+    "bytes_read": stats["bytes_read"],
+    "own_reads": reads_only_its_experts(model.moestream),
+    "combined_loads": hosts["combined"]["loads"],
+}), flush=True)
