@@ -80,8 +80,11 @@ def main() -> None:
               help="mlx: an mlx-lm model; torch: a transformers model (pip install "
                    "'mlx-moestream[torch]').")
 @click.option("--device", default="cpu", show_default=True, help="The torch backend's device.")
+@click.option("--distributed", is_flag=True,
+              help="Under mlx.launch: the hosts share the experts, each streams its own under "
+                   "its own budget; host 0 reads input and prints.")
 def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_share, pin_share,
-         per_layer, prefetch, trace_path, backend, device):
+         per_layer, prefetch, trace_path, backend, device, distributed):
     """Chat with a model; tokens stream as generated, cache statistics follow each answer."""
     from . import session
     from .profiles import save_target
@@ -92,8 +95,12 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         raise click.UsageError("--profile load may be given once")
     if backend == "torch" and model is None:
         raise click.UsageError("--backend torch needs --model: the embedded model is an MLX model")
-    if backend == "torch" and (per_layer or pin_share or prefetch):
-        raise click.UsageError("--per-layer, --pin-share and --prefetch need --backend mlx")
+    if backend == "torch" and (per_layer or pin_share or prefetch or distributed):
+        raise click.UsageError("--per-layer, --pin-share, --prefetch and --distributed need "
+                               "--backend mlx")
+    if distributed and (profiles or trace_path or per_layer or prefetch):
+        raise click.UsageError("--distributed takes no --profile, --trace, --per-layer or "
+                               "--prefetch yet")
     try:  # every output is checked before the session, not found unwritable at its end
         targets = [save_target(name) for name in to_save]
         if trace_path:
@@ -111,10 +118,13 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
 
             lm, tokenizer = loader.load(model, budget, policy, profile,
                                         prewarm_share=prewarm_share, pin_share=pin_share,
-                                        per_layer=per_layer, prefetch=prefetch, progress=_progress)
+                                        per_layer=per_layer, prefetch=prefetch, progress=_progress,
+                                        distributed=distributed)
             reply = partial(_mlx_reply, lm, tokenizer, max_tokens, temp)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         _fail(e)
+    if distributed:
+        _join_hosts(lm)
     if trace_path:
         session.start_trace(lm)
     history: list[dict] = []
@@ -124,6 +134,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         text, timing = reply(history)
         history.append({"role": "assistant", "content": text})
         click.echo(format_stats(session.stats(lm), timing))
+        if distributed:
+            click.echo(_format_hosts(loader.host_stats(lm)))
 
     failed = None
     try:
@@ -131,13 +143,13 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             if prompt is not None:
                 answer(prompt)
             else:
-                _interactive(answer)
+                _interactive(answer, _read_on_host_0 if distributed else input)
     except KeyboardInterrupt:
         click.echo("\n[interrupted]")
     except _Terminated:
         click.echo("\n[terminated]")
         failed = click.ClickException("terminated")
-    except ValueError as e:  # a read error, say: the outputs below are still written
+    except (ValueError, RuntimeError) as e:  # a read error, a lost host: outputs still written
         failed = e
     finally:
         outputs = [(f"profile {t}", partial(session.save_profile, lm, t)) for t in targets]
@@ -228,11 +240,11 @@ def _terminate_as_interrupt():
             signal.signal(sig, handler)
 
 
-def _interactive(answer) -> None:
+def _interactive(answer, read=input) -> None:
     click.echo("Type a message; an empty line or Ctrl-D ends the chat.")
     while True:
         try:
-            text = input(">>> ")
+            text = read(">>> ")
         except EOFError:
             click.echo()
             return
@@ -244,6 +256,45 @@ def _interactive(answer) -> None:
             click.echo("\n[interrupted]")
         except ValueError as e:  # a read error: this answer is lost, the session goes on
             click.echo(f"\nError: {e}", err=True)
+
+
+def _join_hosts(lm) -> None:
+    """Every host samples alike (host 0's seed) and only host 0 prints."""
+    import mlx.core as mx
+
+    rank = lm.moestream.host[0]
+    seed = int(mx.distributed.all_sum(mx.array(int.from_bytes(os.urandom(3), "big") if rank == 0
+                                               else 0)).item())
+    mx.random.seed(seed)
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+
+
+def _read_on_host_0(prompt: str) -> str:
+    """Host 0 reads a line and every host gets it (EOFError on every host at its end)."""
+    import mlx.core as mx
+
+    line = None
+    if mx.distributed.init().rank() == 0:
+        try:
+            line = input(prompt)
+        except EOFError:
+            pass
+    data = list(line.encode()) if line is not None else []
+    size = int(mx.distributed.all_sum(mx.array(len(data) + 1 if line is not None else 0)).item())
+    if size == 0:
+        raise EOFError
+    text = mx.distributed.all_sum(mx.array(data + [0] * (size - 1 - len(data)), mx.int32))
+    return bytes(text.tolist()).decode()
+
+
+def _format_hosts(stats: dict) -> str:
+    total = stats["combined"]
+    hosts = ", ".join(f"host {i}: {h['hits'] / max(1, h['hits'] + h['misses']):.1%} hits, "
+                      f"{format_bytes(int(h['bytes_read']))} read"
+                      for i, h in enumerate(stats["hosts"]))
+    return (f"all {len(stats['hosts'])} hosts: hit rate {total['hit_rate']:.1%}, "
+            f"{int(total['loads'])} loads, read {format_bytes(int(total['bytes_read']))} ({hosts})")
 
 
 def _progress(items, label: str):
@@ -297,23 +348,30 @@ def _percent(rate: float | None) -> str:
 @main.command()
 @model_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect(model, as_json):
+@click.option("--hosts", type=click.IntRange(1), default=1, show_default=True,
+              help="Hosts sharing the experts (chat --distributed): the minimum budget per host.")
+def inspect(model, as_json, hosts):
     """Architecture, experts, bytes per expert, dense bytes and the minimum budget."""
     from .hub import resolve_model_path
     from .loader import load_lazy
 
     try:
         plan = load_lazy(resolve_model_path(model))[-1]
+        info = plan.describe()
+        if hosts > 1:
+            shares = [plan.host_share(h, hosts) for h in range(hosts)]
+            info["hosts"] = hosts
+            info["min_budget_bytes_per_host"] = max(p.min_budget_bytes for p in shares)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
-    info = plan.describe()
     if as_json:
         json.dump(info, sys.stdout, indent=2)
         click.echo()
         return
     names = {"moe_layers": "MoE layers", "top_k": "top-k", "expert_bytes": "bytes per expert",
              "all_expert_bytes": "all experts", "dense_bytes": "dense weights",
-             "min_budget_bytes": "minimum budget"}
+             "min_budget_bytes": "minimum budget",
+             "min_budget_bytes_per_host": "minimum per host"}
     for key, value in info.items():
         label = names.get(key, key.replace("_", " "))
         shown = f"{format_bytes(value)} ({value} bytes)" if key.endswith("bytes") else value

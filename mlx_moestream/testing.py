@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model, save_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -359,3 +360,22 @@ def _split_by_bytes(weights: dict, shards: int) -> list[dict]:
         parts[-1][name] = w
         size += w.nbytes
     return parts
+
+
+# The prompt of the exactness tests: 64 random token ids, the same on every backend and host.
+PROMPT_IDS = np.random.default_rng(0).integers(3, 500, size=(1, 64))
+
+
+def greedy_logits(model, decode_tokens: int = 32) -> list[mx.array]:
+    """Logits of a 64-token prefill (`PROMPT_IDS`) and of each greedy decode step: what the
+    exactness tests compare with stock mlx-lm's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = [model(mx.array(PROMPT_IDS), cache=cache)]
+    token = mx.argmax(logits[-1][:, -1], axis=-1)
+    for _ in range(decode_tokens):
+        logits.append(model(token[:, None], cache=cache))
+        token = mx.argmax(logits[-1][:, -1], axis=-1)
+    mx.eval(logits)
+    return logits

@@ -4,7 +4,7 @@ from pathlib import Path
 import mlx_lm
 import pytest
 
-from mlx_moestream.testing import make_tiny_moe
+from mlx_moestream.testing import greedy_logits, make_tiny_moe
 
 
 @pytest.fixture(scope="session")
@@ -36,9 +36,7 @@ def model_copy(tiny_model, tmp_path):
 
 @pytest.fixture(scope="session")
 def reference():
-    """Stock mlx-lm logits of a model directory (see test_streaming.greedy_logits)."""
-    from test_streaming import greedy_logits
-
+    """Stock mlx-lm logits of a model directory (see `testing.greedy_logits`)."""
     cache = {}
 
     def get(path):

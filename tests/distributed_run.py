@@ -6,25 +6,10 @@ import sys
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_moestream
 from mlx_moestream.store import ExpertStore
-
-PROMPT = mx.array(np.random.default_rng(0).integers(3, 500, size=(1, 32)))
-
-
-def greedy_logits(model, decode_tokens: int = 12) -> list[mx.array]:
-    cache = make_prompt_cache(model)
-    logits = [model(PROMPT, cache=cache)]
-    token = mx.argmax(logits[-1][:, -1], axis=-1)
-    for _ in range(decode_tokens):
-        logits.append(model(token[:, None], cache=cache))
-        token = mx.argmax(logits[-1][:, -1], axis=-1)
-    mx.eval(logits)
-    return logits
-
+from mlx_moestream.testing import greedy_logits
 
 def reads_only_its_experts(runtime) -> bool:
     """Every byte range this host's store can read is one of its own experts'."""
@@ -40,9 +25,9 @@ def reads_only_its_experts(runtime) -> bool:
 
 
 path, budget = sys.argv[1], sys.argv[2]
-expected = greedy_logits(mlx_lm.load(path)[0])
+expected = greedy_logits(mlx_lm.load(path)[0], decode_tokens=12)
 model, _ = mlx_moestream.load(path, budget=budget, distributed=True)
-got = greedy_logits(model)
+got = greedy_logits(model, decode_tokens=12)
 stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
 print(json.dumps({
     "host": stats["host"],

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,34 @@ def test_two_hosts_match_one_stock_process_bit_for_bit(tiny_model, arch, bits):
     for h in hosts:
         assert h["equal"] and h["own_reads"] and h["evictions"] > 0
     assert hosts[0]["combined_loads"] == sum(h["loads"] for h in hosts)
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("hang", "no answer from the other hosts for 3 s"),
+    ("exit", "connection to a peer was lost"),
+])
+def test_a_lost_host_ends_the_others_with_a_clear_error(tiny_model, mode, message):
+    start = time.monotonic()
+    out = launch(Path(__file__).with_name("distributed_lost_host.py"), tiny_model("qwen3_moe"),
+                 mode, timeout=120)
+    assert message in out.stderr  # mlx.launch itself exits 0: it reports each rank's code
+    assert "rank 0 exited with code 1" in out.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_chat_on_two_hosts_answers_once_with_every_host_s_statistics(tiny_model):
+    out = subprocess.run([LAUNCH, "--backend", "ring", "-n", "2", "--", sys.executable, "-m",
+                          "mlx_moestream.cli", "chat", "--model", str(tiny_model("qwen3_moe")),
+                          "--distributed", "--budget", "60%", "--prompt", "Ciao",
+                          "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("generated at") == 1 and "all 2 hosts: hit rate" in out.stdout
+
+
+def test_inspect_gives_the_minimum_budget_per_host(tiny_model):
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "inspect", "--model",
+                          str(tiny_model("qwen3_moe")), "--hosts", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    info = json.loads(out.stdout)
+    assert info["hosts"] == 2
+    assert info["min_budget_bytes_per_host"] == info["top_k"] * info["expert_bytes"]

@@ -9,7 +9,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_streaming import greedy_logits
+from mlx_moestream.testing import greedy_logits
 
 import mlx_moestream
 

@@ -15,7 +15,7 @@ import mlx_moestream
 from mlx_moestream.repack import repack, verify
 from mlx_moestream.store import ExpertStore, index_file
 
-from test_streaming import greedy_logits
+from mlx_moestream.testing import greedy_logits
 
 
 def test_repacked_store_streams_exactly_and_reads_one_run_per_expert(model_copy, reference):

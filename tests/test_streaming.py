@@ -2,29 +2,16 @@
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_moestream
 from mlx_moestream import prefetch
 from mlx_moestream.loader import load_lazy
-from mlx_moestream.testing import ARCHITECTURES
+from mlx_moestream.testing import ARCHITECTURES, PROMPT_IDS, greedy_logits
 
-PROMPT = mx.array(np.random.default_rng(0).integers(3, 500, size=(1, 64)))
+PROMPT = mx.array(PROMPT_IDS)
 BUDGETS = ["min", "25%", "50%", "100%"]
-
-
-def greedy_logits(model, decode_tokens: int = 32) -> list[mx.array]:
-    """Logits of a 64-token prefill and of each greedy decode step."""
-    cache = make_prompt_cache(model)
-    logits = [model(PROMPT, cache=cache)]
-    token = mx.argmax(logits[-1][:, -1], axis=-1)
-    for _ in range(decode_tokens):
-        logits.append(model(token[:, None], cache=cache))
-        token = mx.argmax(logits[-1][:, -1], axis=-1)
-    mx.eval(logits)
-    return logits
 
 
 def min_budget(path) -> int:

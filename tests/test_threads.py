@@ -4,7 +4,7 @@ import threading
 
 import mlx.core as mx
 import pytest
-from test_streaming import greedy_logits
+from mlx_moestream.testing import greedy_logits
 
 import mlx_moestream
 

@@ -1,0 +1,21 @@
+"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: host 1 hangs or
+exits after loading; host 0 must end with a clear error, not wait forever."""
+
+import os
+import sys
+import time
+
+import mlx_moestream
+from mlx_moestream.testing import greedy_logits
+
+path, mode = sys.argv[1], sys.argv[2]
+model, _ = mlx_moestream.load(path, budget="60%", distributed=True, timeout_seconds=3)
+if model.moestream.host[0] == 1:
+    if mode == "hang":
+        time.sleep(600)
+    os._exit(0)
+try:
+    greedy_logits(model, decode_tokens=4)
+except RuntimeError as e:
+    print(f"Error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
