@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, heapreplace
 
 import numpy as np
 
@@ -313,9 +313,12 @@ class LayerCyclic(Policy):
     Prefetched keys that no call has used yet go first, so a wrong prediction costs a read, not
     a useful expert.
 
-    Cost per call does not grow with the resident keys: a layer's other keys sit in a heap by
-    count (a count changes only at its layer's calls; entries whose count changed since are
-    dropped when they surface), and a victim compares one least key per layer.
+    Cost per call does not grow with the resident keys. A layer's other keys sit in a heap by
+    count, one entry per key at most and never above its count (counts only grow): an entry
+    that surfaces below its key's count is raised then, and one whose key came back to the
+    latest call or left is dropped then, so a key that comes and goes costs no heap work in
+    between. Each layer is ranked by a value at most its least, noted when it changes; victims
+    are taken from the best layer in one pass, while they beat the next best layer.
     """
 
     layered = True  # takes `num_experts`: a key's layer is `key // num_experts`
@@ -328,36 +331,36 @@ class LayerCyclic(Policy):
         if not 0.0 <= freq_share < 1.0:
             raise ValueError(f"freq_share must be in [0, 1), got {freq_share}")
         self.experts = num_experts or num_keys
-        layers = -(-num_keys // self.experts)
+        self.layers = layers = -(-num_keys // self.experts)
         at = np.arange(layers)
         # calls from the current one (row: its layer) until each layer's next call, 1..layers
-        self.distance = ((at[None, :] - at[:, None] - 1) % layers + 1).astype(np.float64)
+        self.distances = list(((at[None, :] - at[:, None] - 1) % layers + 1).astype(np.float64))
         self.position = 0  # layer of the current call: the one after the latest accessed
         self.half_life = half_life
         # a use every token for long adds up to a count of `1 / per_token` (times `weight`)
         per_token = 1.0 - 0.5 ** (1.0 / half_life)
         self.group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
-        self.count = np.zeros(num_keys)  # decayed uses, times `weight`
+        # per key, in lists: read and written one key at a time, at a quarter of numpy's cost
+        self.count = [0.0] * num_keys  # decayed uses, times `weight`
+        self.state = [0] * num_keys  # 0: not resident, 1: prefetched, unused, 2: used
+        self.in_heap = [False] * num_keys  # whether the key has an entry in its layer's heap
         self.weight = 1.0  # what one use adds now
         self.rescaled = 0.0  # halvings already applied to `count`
         self.tokens = 0
-        self.state = np.zeros(num_keys, np.int8)  # 0: not resident, 1: prefetched, unused, 2: used
         self.unused: list[int] = []  # prefetched keys, in order
-        self.latest: list[list[int]] = [[] for _ in range(layers)]  # keys of each layer's latest call
-        self.old: list[list[tuple[float, int]]] = [[] for _ in range(layers)]  # heaps of (count, key)
-        self.pending: list[list[list[int]]] = [[] for _ in range(layers)]  # earlier latest lists
+        # per layer: the keys of its latest call (in call order, as a set, and least count
+        # first once sorted), the least count among them, and a heap of (count, key) holding
+        # (at most) every other used key
+        self.latest: list[list[int]] = [[] for _ in range(layers)]
+        self.latest_set: list[set[int]] = [set() for _ in range(layers)]
+        self.ranked: list[list[int] | None] = [None] * layers
+        self.least_latest = [np.inf] * layers
+        self.old: list[list[tuple[float, int]]] = [[] for _ in range(layers)]
         # uses and chances (keys at a call of their layer) of the latest and the other keys
         self.uses = [1.0, 1.0]
         self.chances = [2.0, 2.0]
-        # per layer: the least count among its latest keys (and which), the least in its heap,
-        # and the least value (count plus its group's rate as a count) among both
-        self.least_latest = np.full(layers, np.inf)
-        self.least_key = [-1] * layers
-        self.least_old = np.full(layers, np.inf)
-        self.value = np.full(layers, np.inf)
-        self._count, self._state = memoryview(self.count), memoryview(self.state)
-        self._least_latest, self._least_old = memoryview(self.least_latest), memoryview(self.least_old)
-        self._value = memoryview(self.value)
+        self.value = np.full(layers, np.inf)  # per layer, at most its least value when not current
+        self._value = memoryview(self.value)  # the same memory, written one layer at a time
         self._rates()
 
     def _rates(self) -> None:
@@ -365,179 +368,194 @@ class LayerCyclic(Policy):
         scale = self.group_weight * self.weight
         self.bonus_latest = scale * (self.uses[0] / self.chances[0])
         self.bonus_old = scale * (self.uses[1] / self.chances[1])
-        np.minimum(self.least_latest + self.bonus_latest, self.least_old + self.bonus_old,
+        tops = [heap[0][0] if heap else np.inf for heap in self.old]
+        np.minimum(np.add(self.least_latest, self.bonus_latest), np.add(tops, self.bonus_old),
                    out=self.value)
-        self._note(self.position)
 
     def _note(self, layer: int) -> None:
-        """Update a layer's value; the current layer's latest keys that its call does not use
-        have just missed, so they count as old."""
-        latest = self.bonus_old if layer == self.position else self.bonus_latest
-        self._value[layer] = min(self._least_latest[layer] + latest,
-                                 self._least_old[layer] + self.bonus_old)
+        """Note a layer's value: a count plus its group's rate as a count."""
+        heap = self.old[layer]
+        self._value[layer] = min(self.least_latest[layer] + self.bonus_latest,
+                                 (heap[0][0] if heap else np.inf) + self.bonus_old)
 
     def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
         key_list = keys.tolist()
         if not key_list:  # every expert of the call was pinned: nothing for the policy
             return
         layer = key_list[0] // self.experts
-        state, count, weight = self._state, self._count, self.weight
-        previous, current = self.latest[layer], set(key_list)
-        reused = len(current.intersection(previous))
-        uses, chances = self.uses, self.chances
+        previous, current = self.latest_set[layer], set(key_list)
+        gone = previous - current
+        reused = len(previous) - len(gone)
+        uses, chances, weight = self.uses, self.chances, self.weight
         uses[0] += reused * weight
         uses[1] += (len(key_list) - reused) * weight
         chances[0] += len(previous) * weight
         chances[1] += (self.experts - len(previous)) * weight
-        least, least_key = np.inf, -1
+        if gone:
+            self._leave(layer, gone)
+        count, state = self.count, self.state
+        least = np.inf
         for key in key_list:
-            state[key] = 2
             c = count[key] = count[key] + weight
             if c < least:
-                least, least_key = c, key
-        # the previous keys not used now join the heap when it is next read; until then the
-        # heap's least count accounts for them
-        self.latest[layer] = key_list
-        left = [count[key] for key in previous if key not in current and state[key] == 2]
-        if left:
-            self.pending[layer].append(previous)
-            least_left = min(left)
-            if least_left < self._least_old[layer]:
-                self._least_old[layer] = least_left
-            if len(self.pending[layer]) > 8:
-                self._join(layer)
-        self._least_latest[layer], self.least_key[layer] = least, least_key
-        was = self.position
-        following = self.position = layer + 1 if layer + 1 < len(self.latest) else 0
+                least = c
+        for key in new:
+            state[key] = 2
+        if self.unused:  # it may use prefetched keys (else every hit is a used key already)
+            for key in key_list:
+                state[key] = 2
+        self.latest[layer], self.latest_set[layer], self.ranked[layer] = key_list, current, None
+        self.least_latest[layer] = least
+        self.position = layer + 1 if layer + 1 < self.layers else 0
         self._note(layer)
-        self._note(following)
-        if was != layer:  # a layer was skipped, or calls interleave: `was` is current no more
-            self._note(was)
 
-    def _join(self, layer: int) -> None:
-        """Push the keys that left the layer's latest since the last join onto its heap, and
-        note the least count there (`_surface`)."""
-        latest, state, count, heap = self.latest[layer], self._state, self._count, self.old[layer]
-        for previous in self.pending[layer]:
-            for key in previous:  # a key in two lists is pushed twice; both go stale together
-                if state[key] == 2 and key not in latest:
-                    heappush(heap, (count[key], key))
-        self.pending[layer] = []
-        if len(heap) > 2 * self.experts:  # mostly stale entries: keep only the live ones
-            heap[:] = [(v, k) for v, k in heap if state[k] == 2 and count[k] == v]
-            heapify(heap)
-        self._surface(layer)
-
-    def _surface(self, layer: int) -> None:
-        """Drop stale entries (keys used or gone since) from the top of a layer's heap."""
-        heap, state, count = self.old[layer], self._state, self._count
-        while heap:
-            value, key = heap[0]
-            if state[key] == 2 and count[key] == value:
-                self._least_old[layer] = value
-                return
-            heappop(heap)
-        self._least_old[layer] = np.inf
-
-    def _latest_changed(self, layer: int) -> None:
-        """A key of the layer's latest call left: find its least count again (k keys)."""
-        state, count = self._state, self._count
-        least, least_key = np.inf, -1
-        for key in self.latest[layer]:
-            if state[key] == 2 and count[key] < least:
-                least, least_key = count[key], key
-        self._least_latest[layer], self.least_key[layer] = least, least_key
+    def _leave(self, layer: int, gone: set[int]) -> None:
+        """Keys left the layer's latest call: those resident join its heap, unless there."""
+        state, count, in_heap, heap = self.state, self.count, self.in_heap, self.old[layer]
+        for key in gone:
+            if not in_heap[key] and state[key] == 2:
+                heappush(heap, (count[key], key))
+                in_heap[key] = True
 
     def warm(self, keys: list[int]) -> None:
         for key in keys:
-            self._state[key] = 2
-            if key not in self.latest[key // self.experts]:  # else it ranks as latest again
-                heappush(self.old[key // self.experts], (self._count[key], key))
-        for layer in {key // self.experts for key in keys}:
-            self._join(layer)
-            self._latest_changed(layer)
+            self.state[key] = 2
+            layer = key // self.experts
+            if key in self.latest_set[layer]:  # it ranks as latest again
+                self._latest_changed(layer)
+            elif not self.in_heap[key]:
+                heappush(self.old[layer], (self.count[key], key))
+                self.in_heap[key] = True
             self._note(layer)
 
     def insert(self, keys: list[int]) -> None:
         for key in keys:
-            self._state[key] = 1
+            self.state[key] = 1
         self.unused += keys
 
     def remove(self, key: int) -> None:
-        self._forget(key)
+        self.state[key] = 0  # a heap entry goes when it surfaces; the values noted still hold
+        layer = key // self.experts
+        if key in self.latest_set[layer]:
+            self._latest_changed(layer)
 
     def victims(self, n: int, protected: set[int]) -> list[int]:
-        chosen = []
-        if self.unused:
-            state, keep = self._state, []
-            for key in self.unused:
-                if state[key] != 1:
-                    continue  # used or gone since
-                if len(chosen) < n and key not in protected:
-                    state[key] = 0
-                    chosen.append(key)
-                else:
-                    keep.append(key)
-            self.unused = keep
+        chosen = self._unused_victims(n, protected) if self.unused else []
         if len(chosen) < n:
-            distance = self.distance[self.position]
-            score = distance / self.value  # at most the true score of each layer
+            position = self.position
+            distance = self.distances[position]
+            score = distance / self.value  # at most each layer's best score
+            heap = self.old[position]  # its latest keys that its call does not use just missed:
+            least = min(self.least_latest[position], heap[0][0] if heap else np.inf)  # all old
+            score[position] = _score(distance.item(position), least + self.bonus_old)
             while len(chosen) < n:
                 layer = int(score.argmax())
-                best = score[layer]
-                if best <= 0:
+                if score.item(layer) <= 0:
                     raise _all_in_use()
-                key, value = self._least(layer, protected)
-                fresh = distance[layer] / value
-                if fresh < best:  # its least keys are in use or left: rank the layer again
-                    score[layer] = fresh
-                    continue
-                self._forget(key)
-                score[layer] = distance[layer] / self._value[layer]
-                chosen.append(key)
+                score[layer] = -1.0
+                rival = int(score.argmax())  # the next best layer
+                d = distance.item(layer)
+                left = self._evict_least(layer, n - len(chosen), protected, d, score.item(rival),
+                                         layer < rival, chosen)
+                score[layer] = _score(d, left)
         return chosen
 
-    def _least(self, layer: int, protected: set[int]) -> tuple[int, float]:
-        """The layer's evictable key of least value: (-1, inf) if none."""
-        if self.pending[layer]:
-            self._join(layer)
-        key = self.least_key[layer]
-        if key in protected:  # only the current call's keys are: find its least other
-            state, count = self._state, self._count
-            key, least = -1, np.inf
-            for k in self.latest[layer]:
-                if state[k] == 2 and k not in protected and count[k] < least:
-                    key, least = k, count[k]
-        else:
-            least = self._least_latest[layer]
-        least += self.bonus_old if layer == self.position else self.bonus_latest
-        heap, aside = self.old[layer], []
-        while heap:
-            value, k = heap[0]
-            if k in protected:
-                aside.append(heappop(heap))
-            elif self._state[k] != 2 or self._count[k] != value:
-                heappop(heap)  # stale: the key was used or left since
+    def _unused_victims(self, n: int, protected: set[int]) -> list[int]:
+        """Up to `n` prefetched keys that no call has used, in the order they came."""
+        chosen, state, keep = [], self.state, []
+        for key in self.unused:
+            if state[key] != 1:
+                continue  # used or gone since
+            if len(chosen) < n and key not in protected:
+                state[key] = 0
+                chosen.append(key)
             else:
-                if value + self.bonus_old < least:
-                    key, least = k, value + self.bonus_old
+                keep.append(key)
+        self.unused = keep
+        return chosen
+
+    def _evict_least(self, layer: int, limit: int, protected: set[int], distance: float,
+                     bar: float, wins_ties: bool, chosen: list[int]) -> float:
+        """Evict the layer's keys of least value, at most `limit` (into `chosen`), while their
+        score `distance / value` beats `bar` (or equals it, if `wins_ties`); return at most the
+        least value left (inf: none). Its latest keys and its heap are merged, a latest key
+        first among equals; the heap is settled only when it may hold a lesser value."""
+        state, count, bonus_old = self.state, self.count, self.bonus_old
+        current = layer == self.position
+        bonus = bonus_old if current else self.bonus_latest  # see `victims`
+        ranked, at = self._ranked(layer), 0
+        heap, aside = self.old[layer], []
+        old_value = heap[0][0] + bonus_old if heap else np.inf  # at most the heap's least
+        settled = False  # whether `old_value` is the heap's least evictable key's value
+        evicted_latest = False
+        value = np.inf
+        while limit:
+            while at < len(ranked) and (state[ranked[at]] != 2 or ranked[at] in protected):
+                at += 1
+            latest_value = count[ranked[at]] + bonus if at < len(ranked) else np.inf
+            if old_value < latest_value and not settled:
+                self._settle(layer, protected, aside)
+                old_value = heap[0][0] + bonus_old if heap else np.inf
+                settled = True
+            from_latest = latest_value <= old_value
+            value = latest_value if from_latest else old_value
+            if value == np.inf:
                 break
+            score = _score(distance, value)
+            if score < bar or (score == bar and not wins_ties):
+                break
+            if from_latest:
+                key = ranked[at]
+                at += 1
+                evicted_latest = True
+            else:
+                key = heappop(heap)[1]  # the next one is no less
+                self.in_heap[key] = False
+                settled = False
+            state[key] = 0
+            chosen.append(key)
+            limit -= 1
         for entry in aside:
             heappush(heap, entry)
-        return key, least
+        if not current:  # else its call comes next and notes it; until then what is noted holds
+            if evicted_latest:
+                self._latest_changed(layer)
+            self._note(layer)
+        return value
 
-    def _forget(self, key: int) -> None:
-        """`key` leaves: update its layer's least counts."""
-        layer = key // self.experts
-        was = self._state[key]
-        self._state[key] = 0
-        if was != 2:
-            return
-        if key in self.latest[layer]:
-            self._latest_changed(layer)
-        else:
-            self._join(layer)
-        self._note(layer)
+    def _settle(self, layer: int, protected: set[int], aside: list[tuple[float, int]]) -> None:
+        """Bring the layer's heap to its least evictable key, at its count, on top: entries of
+        keys that left or are latest again go, those of `protected` keys go `aside`, and an
+        entry below its key's count (used since) is raised to it."""
+        heap, state, count, in_heap = self.old[layer], self.state, self.count, self.in_heap
+        latest = self.latest_set[layer]
+        while heap:
+            c, key = heap[0]
+            if state[key] != 2 or key in latest:
+                heappop(heap)
+                in_heap[key] = False
+            elif key in protected:
+                aside.append(heappop(heap))
+            elif count[key] != c:
+                heapreplace(heap, (count[key], key))
+            else:
+                return
+
+    def _ranked(self, layer: int) -> list[int]:
+        """The layer's latest keys, least count first (in call order among equals)."""
+        ranked = self.ranked[layer]
+        if ranked is None:
+            ranked = self.ranked[layer] = sorted(self.latest[layer], key=self.count.__getitem__)
+        return ranked
+
+    def _latest_changed(self, layer: int) -> None:
+        """A key of the layer's latest call left or came back: find its least count again."""
+        state = self.state
+        for key in self._ranked(layer):
+            if state[key] == 2:
+                self.least_latest[layer] = self.count[key]
+                return
+        self.least_latest[layer] = np.inf
 
     def tick(self, tokens: int) -> None:
         self.tokens += tokens
@@ -550,23 +568,29 @@ class LayerCyclic(Policy):
         self._rates()
 
     def seed(self, counts: dict[int, float]) -> None:
-        _add_counts(self.count, counts, self.weight)
+        count = np.array(self.count)
+        _add_counts(count, counts, self.weight)
+        self.count = count.tolist()
         self._rescale(1.0)
 
     def _rescale(self, factor: float) -> None:
         """Multiply every count by `factor` and rebuild what holds counts."""
-        self.count *= factor
+        self.count = count = [c * factor for c in self.count]
         self.uses = [u * factor for u in self.uses]
         self.chances = [c * factor for c in self.chances]
         if not min(self.chances) > 0:  # a tick of over a thousand half-lives: start afresh
             self.uses, self.chances = [1.0, 1.0], [2.0, 2.0]
+        state, in_heap = self.state, self.in_heap
         for layer, heap in enumerate(self.old):
-            latest = set(self.latest[layer])
-            keys = {key for _, key in heap}.union(*self.pending[layer]).difference(latest)
-            self.pending[layer] = []
-            heap[:] = [(self._count[key], key) for key in keys if self._state[key] == 2]
+            latest = self.latest_set[layer]
+            for _, key in heap:
+                in_heap[key] = False
+            keys = [key for _, key in heap if state[key] == 2 and key not in latest]
+            heap[:] = [(count[key], key) for key in keys]
             heapify(heap)
-            self._surface(layer)
+            for key in keys:
+                in_heap[key] = True
+            self.ranked[layer] = None  # scaled counts may tie
             self._latest_changed(layer)
         self._rates()
 
@@ -812,6 +836,12 @@ def _add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("seed counts must be finite and non-negative")
     np.add.at(count, keys, values * weight)
+
+
+def _score(distance: float, value: float) -> float:
+    """Layer calls a slot is held per use it buys: a value of 0 (seeded, decayed to nothing)
+    buys none."""
+    return distance / value if value else np.inf
 
 
 def _all_in_use() -> RuntimeError:

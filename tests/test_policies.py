@@ -370,6 +370,60 @@ def test_cyclic_evicts_a_key_of_least_use_probability_per_layer_call_held(slots)
     assert set(fast.victims(len(resident), set())) == resident  # it lost track of none
 
 
+def test_cyclic_keeps_its_rule_through_prefetches_failed_loads_and_unsorted_calls():
+    """A prefetched key goes before any used one until a call uses it, then ranks like the rest;
+    a failed load (`remove`) leaves no trace; a call's keys may come in any order."""
+    layers, experts, slots = 4, 8, 12
+    trace = synthetic_trace(150, layers, experts, 3, repeat=0.4, seed=7)
+    rng = np.random.default_rng(7)
+    fast = make_policy("cyclic", slots, layers * experts, num_experts=experts)
+    slow = SlowCyclic(layers, experts)
+    resident, unused, checked = set(), [], 0
+
+    def evict(n, protected):
+        nonlocal checked
+        for victim in fast.victims(n, protected):
+            waiting = [k for k in unused if k not in protected]
+            if waiting:
+                assert victim == waiting[0]
+                unused.remove(victim)
+            else:
+                assert slow.score(victim) == pytest.approx(slow.best(protected), rel=1e-9)
+            resident.discard(victim)
+            slow.resident.discard(victim)
+            checked += 1
+
+    for t in range(trace.tokens):
+        fast.tick(1)
+        slow.tick()
+        for layer in range(layers):
+            keys = [layer * experts + int(e) for e in rng.permutation(trace.experts[t, layer])]
+            new = [k for k in keys if k not in resident]
+            if len(new) > slots - len(resident):
+                evict(len(new) - slots + len(resident), set(keys))
+            resident |= set(new)
+            unused = [k for k in unused if k not in keys]
+            fast.access(np.array(keys), new)
+            slow.access(keys)
+            after = (layer + 1) % layers  # prefetch for the next layer, or a load fails
+            if rng.random() < 0.3:
+                guess = [after * experts + int(e) for e in rng.choice(experts, 2, replace=False)]
+                guess = [k for k in guess if k not in resident]
+                if len(guess) > slots - len(resident):
+                    evict(len(guess) - slots + len(resident), set(guess))
+                fast.insert(guess)
+                resident |= set(guess)
+                unused += guess
+            elif rng.random() < 0.1 and resident:
+                key = int(rng.choice(sorted(resident)))
+                fast.remove(key)
+                resident.discard(key)
+                slow.resident.discard(key)
+                unused = [k for k in unused if k != key]
+    assert checked > 100
+    assert set(fast.victims(len(resident), set())) == resident  # it lost track of none
+
+
 def test_cyclic_below_one_token_of_experts_keeps_what_the_next_layers_use():
     """Three layers, one expert each per token, two slots: LRU evicts each expert before its
     layer comes round again; cyclic gives up the layer just served, as the optimum does."""
