@@ -2,6 +2,7 @@
 give logits identical to one process of stock mlx-lm, each reading only its own experts."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -62,3 +63,12 @@ def test_inspect_gives_the_minimum_budget_per_host(tiny_model):
     info = json.loads(out.stdout)
     assert info["hosts"] == 2
     assert info["min_budget_bytes_per_host"] == info["top_k"] * info["expert_bytes"]
+
+
+def test_the_readme_two_host_command_runs_as_written():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = re.search(r"^(mlx\.launch --backend ring -n 2 -- mlx-moestream chat .*)$", readme,
+                        re.M).group(1)
+    out = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
+    assert "Node with rank" not in out.stderr, out.stderr[-3000:]
+    assert out.stdout.count("generated at") == 1 and "all 2 hosts" in out.stdout
