@@ -107,7 +107,11 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             _check_writable(Path(trace_path))
         profile = to_load[0] if to_load else None
         if backend == "torch":
-            from . import torch as moestream_torch
+            try:
+                from . import torch as moestream_torch
+            except ImportError as e:
+                raise ValueError(f"the torch backend needs torch and transformers 5 ({e}): "
+                                 "pip install 'mlx-moestream[torch]'") from None
 
             lm, tokenizer = moestream_torch.load(model, budget, device=device, policy=policy,
                                                  profile=profile, prewarm_share=prewarm_share,
@@ -142,8 +146,10 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         with _terminate_as_interrupt():
             if prompt is not None:
                 answer(prompt)
+            elif distributed:  # a host that failed or was interrupted mid-answer would leave
+                _interactive(answer, _read_on_host_0, fatal=True)  # the others waiting
             else:
-                _interactive(answer, _read_on_host_0 if distributed else input)
+                _interactive(answer)
     except KeyboardInterrupt:
         click.echo("\n[interrupted]")
     except _Terminated:
@@ -240,7 +246,9 @@ def _terminate_as_interrupt():
             signal.signal(sig, handler)
 
 
-def _interactive(answer, read=input) -> None:
+def _interactive(answer, read=input, fatal: bool = False) -> None:
+    """Answer lines until an empty one or Ctrl-D; an interrupted or failed answer is reported
+    and the chat goes on, unless `fatal`."""
     click.echo("Type a message; an empty line or Ctrl-D ends the chat.")
     while True:
         try:
@@ -253,8 +261,12 @@ def _interactive(answer, read=input) -> None:
         try:
             answer(text)
         except KeyboardInterrupt:
+            if fatal:
+                raise
             click.echo("\n[interrupted]")
         except ValueError as e:  # a read error: this answer is lost, the session goes on
+            if fatal:
+                raise
             click.echo(f"\nError: {e}", err=True)
 
 

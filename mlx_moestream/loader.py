@@ -22,7 +22,6 @@ from .session import as_profile, runtime_of
 from .store import ExpertStore
 
 
-
 def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = None
               ) -> tuple[nn.Module, TokenizerWrapper, dict, ExpertStore, ModelPlan]:
     """Index the files, then build the model without reading any weight (`repacked`: see
@@ -122,7 +121,7 @@ def _host_group():
     return group
 
 
-HOST_COUNTERS = ("tokens", "hits", "misses", "loads", "evictions", "bytes_read", "read_ms")
+HOST_COUNTERS = ("tokens", "hits", "misses", "loads", "evictions", "bytes_read")
 
 
 def host_stats(model: nn.Module) -> dict:
@@ -130,12 +129,15 @@ def host_stats(model: nn.Module) -> dict:
     host must make it (as they make every forward call)."""
     runtime = runtime_of(model)
     mine = runtime.stats_dict()
-    hosts = mx.distributed.all_gather(mx.array([float(mine[k]) for k in HOST_COUNTERS]))
-    rows = np.array(hosts).reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
+    # as 24-bit pieces in float32 (what every backend sums and gathers), so counts stay exact
+    pieces = [part for k in HOST_COUNTERS for part in divmod(int(mine[k]), 1 << 24)]
+    gathered = np.array(mx.distributed.all_gather(mx.array(pieces, mx.float32))).astype(np.int64)
+    hosts = gathered[0::2] * (1 << 24) + gathered[1::2]
+    rows = hosts.reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
     per_host = [dict(zip(HOST_COUNTERS, row)) for row in rows]
     total = {k: sum(h[k] for h in per_host) for k in HOST_COUNTERS[1:]}
     total["tokens"] = per_host[0]["tokens"]
-    total["hit_rate"] = total["hits"] / max(1.0, total["hits"] + total["misses"])
+    total["hit_rate"] = total["hits"] / max(1, total["hits"] + total["misses"])
     return {"hosts": per_host, "combined": total}
 
 

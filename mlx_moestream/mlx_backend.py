@@ -184,7 +184,7 @@ class DeferredRouting:
                 if cut < len(calls) and thread is me:
                     self.calls[thread] = calls[cut:]
                 for layer, indices in calls[:cut]:
-                    runtime.route(layer, np.array(indices))
+                    runtime.route(layer, np.array(indices), compute=False)
 
 
 class HostExperts(nn.Module):
@@ -206,8 +206,11 @@ class HostExperts(nn.Module):
         owned = (ids >= 0) & (ids < self.count)
         ids = mx.where(owned, ids, -1)  # another host's: masked, never read here
         if isinstance(self.local, StreamingExperts) and not np.array(owned).any():
-            # none of this call is ours: zeros of the output's shape and dtype (the probe's
-            # graph is never evaluated)
+            # none of this call is ours: its tokens count, and zeros of the output's shape and
+            # dtype go out (the probe's graph is never evaluated)
+            runtime = self.local.runtime
+            with runtime.lock:
+                runtime.route(self.local.layer, np.array(ids), compute=False)
             probe = self.local.inner(x, mx.zeros(indices.shape, mx.uint32))
             y = mx.zeros(probe.shape, probe.dtype)
         else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +30,9 @@ class ExpertLayer:
     # first_expert.. of all `total_experts` (0: the layer has just these)
     first_expert: int = 0
     total_experts: int = 0
+    # Memory one resident expert may hold, when more than its bytes (a backend whose rows share
+    # pages with their neighbours): what a slot costs the budget (0: `expert_bytes`)
+    resident_bytes: int = 0
 
     @property
     def signature(self) -> tuple:
@@ -39,6 +41,10 @@ class ExpertLayer:
     @property
     def expert_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self.specs.values())
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.resident_bytes or self.expert_bytes
 
 
 @dataclass
@@ -71,17 +77,20 @@ class ModelPlan:
             groups.setdefault(layer.signature, []).append(i)
         return list(groups.values())
 
-    def _share(self, group: list[int]) -> float:
+    def _group_bytes(self, group: list[int]) -> int:
         layer = self.layers[group[0]]
-        return layer.expert_bytes * layer.num_experts * len(group) / self.expert_bytes
+        return layer.expert_bytes * layer.num_experts * len(group)
 
     def pool_slots(self, budget_bytes: int) -> list[int]:
-        """Slots per group: the budget is split in proportion to each group's expert bytes."""
+        """Slots per group: the budget is split in proportion to each group's expert bytes
+        (integer arithmetic, so `budget_holding` is exact). A share that holds all of its
+        group's expert bytes holds every expert (rows then share no page with a stranger)."""
         slots = []
         for group in self.layer_groups():
-            layer = self.layers[group[0]]
-            n = int(budget_bytes * self._share(group)) // layer.expert_bytes
-            slots.append(min(n, layer.num_experts * len(group)))
+            layer, all_slots = self.layers[group[0]], self.layers[group[0]].num_experts * len(group)
+            share = budget_bytes * self._group_bytes(group) // self.expert_bytes
+            full = share >= self._group_bytes(group)
+            slots.append(all_slots if full else min(share // layer.slot_bytes, all_slots))
         return slots
 
     @property
@@ -92,9 +101,12 @@ class ModelPlan:
     def budget_holding(self, experts: int | None = None) -> int:
         """The smallest budget that gives every pool room for `experts` at once (default: all
         the experts of one of its layers)."""
-        return max(math.ceil((experts or self.layers[g[0]].num_experts)
-                             * self.layers[g[0]].expert_bytes / self._share(g))
-                   for g in self.layer_groups())
+        need = 0
+        for group in self.layer_groups():
+            layer, group_bytes = self.layers[group[0]], self._group_bytes(group)
+            cost = min((experts or layer.num_experts) * layer.slot_bytes, group_bytes)  # see
+            need = max(need, -(-cost * self.expert_bytes // group_bytes))  # `pool_slots`
+        return need
 
     @property
     def identity(self) -> dict:
@@ -112,7 +124,8 @@ class ModelPlan:
             first, end = host * l.num_experts // hosts, (host + 1) * l.num_experts // hosts
             if end == first:
                 raise ValueError(f"{l.path} has {l.num_experts} experts: too few for {hosts} hosts")
-            layers.append(ExpertLayer(l.path, end - first, l.specs, first, l.num_experts))
+            layers.append(ExpertLayer(l.path, end - first, l.specs, first, l.num_experts,
+                                      l.resident_bytes))
         return ModelPlan(self.model_type, self.top_k, layers, self.dense_bytes, self.config_hash)
 
     def describe(self) -> dict:

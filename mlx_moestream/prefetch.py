@@ -90,6 +90,7 @@ class Prefetch:
                 stats.prefetch_loads[owner] += 1
             except StoreError:
                 runtime.layer_cache[owner].discard(owner, expert)
+                runtime.release([owner * runtime.plan.num_experts + expert])
                 self.prefetched.get(owner, set()).discard(expert)
                 stats.read_errors += 1
         self.reads = []

@@ -55,8 +55,11 @@ class SlotPool:
             return None
         return {name: view[first : first + len(slots)] for name, view in self.views.items()}
 
-    def release(self, layer: int, expert: int) -> None:
-        """`expert` of `layer` was evicted: its memory may go back (slots are reused as is)."""
+    releases = False  # whether `release` does anything (then the runtime calls it)
+
+    def release(self, layer: int, expert: int, resident: np.ndarray) -> None:
+        """`expert` of `layer` left (evicted, or its read failed): its memory may go back.
+        `resident` says which of the layer's experts hold a slot now."""
 
     @property
     def nbytes(self) -> int:
@@ -142,11 +145,14 @@ class Runtime:
         """The backend waited for the device (to read routed ids or a prediction)."""
         self.stats.syncs += 1
 
-    def route(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
+    def route(self, layer: int, ids: np.ndarray, compute: bool = True) -> np.ndarray | None:
         """The slots of a call's routed `ids` [..., k], after loading its misses; None when the
         call routes to more experts than the layer may hold at once: compute it by `rounds`.
         Ids outside [0, experts) are masked: they load nothing, count nothing, and get the
-        slot of a routed expert (their outputs are discarded by the model)."""
+        slot of a routed expert (their outputs are discarded by the model); a call whose every
+        id is masked gets expert 0's, read if need be, unless the caller computes nothing from
+        the slots (`compute=False`: it counts a call made without them), which then counts
+        its tokens alone."""
         with CRITICAL:
             if self.prefetch and self.prefetch.reads:
                 self.prefetch.wait(layer)
@@ -159,6 +165,8 @@ class Runtime:
                 num = self.plan.layers[layer].num_experts
                 self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
             routed, ids = self._unmasked(layer, ids)
+            if not routed.size and not compute:
+                return None
             self.stats.route(layer, routed)
             experts = np.unique(ids)  # routed ones; expert 0 where the call masked every id
             if self.prefetch:
@@ -211,10 +219,12 @@ class Runtime:
         return cache.slots(layer, ids)
 
     def release(self, keys: list[int]) -> None:
-        """Tell the pools which keys (`layer * num_experts + expert`) were evicted."""
+        """Tell the pools that keys (`layer * num_experts + expert`) left their slots."""
         for key in keys:
             layer, expert = divmod(key, self.plan.num_experts)
-            self.layer_pool[layer].release(layer, expert)
+            pool = self.layer_pool[layer]
+            if pool.releases:
+                pool.release(layer, expert, self.slot_map(layer) >= 0)
 
     def read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
         """Read one expert into its slot: (bytes, seconds)."""
@@ -240,6 +250,7 @@ class Runtime:
                 self.count_read(layer, *read())
             except StoreError as e:
                 cache.discard(layer, expert)
+                self.release([layer * self.plan.num_experts + expert])
                 failed = failed or e
         self.stats.stall_seconds[layer] += time.perf_counter() - start
         if failed:

@@ -12,22 +12,23 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-# Small configs with enough layers that a quarter of the experts exceeds one layer's.
-COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+# Small configs with enough layers that a quarter of the experts exceeds one layer's, and rows
+# of tens of KiB, so that the pages rows share (see `torch._pages_touched`) cost a few percent.
+COMMON = dict(vocab_size=512, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=256)  # hidden / heads
 TINY_CONFIGS = {
-    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32,
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=128,
                                          num_experts=8, num_experts_per_tok=2)),
-    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=8,
+    "mixtral": ("MixtralConfig", dict(intermediate_size=128, num_local_experts=8,
                                       num_experts_per_tok=2)),
-    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, num_local_experts=8,
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=128, num_local_experts=8,
                                      num_experts_per_tok=2, sliding_window=64,
                                      layer_types=["sliding_attention", "full_attention"] * 3)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=32, num_experts=8,
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=128,
+                                         shared_expert_intermediate_size=64, num_experts=8,
                                          num_experts_per_tok=2)),
-    "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
-    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32,
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=128, num_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=128,
                                              n_routed_experts=8, num_experts_per_tok=2,
                                              n_shared_experts=1, n_group=2, topk_group=1,
                                              first_k_dense_replace=1, q_lora_rank=None,

@@ -56,6 +56,8 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     path = resolve_model_path(model, revision)
     lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation)
     modules = dict(lm.named_modules())
+    rows = ExpertRows([_rows(modules[e.module], e, store, layer.specs)
+                       for e, layer in zip(experts, plan.layers)])
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
                                   plan.dense_bytes, available_memory_bytes())
     need = plan.budget_holding()
@@ -64,7 +66,6 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
             f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the torch "
             f"backend's minimum {format_bytes(need)} ({need} bytes): a call is computed at once, "
             f"so every expert of one layer must fit")
-    rows = ExpertRows([_rows(modules[e.module], e, store) for e in experts])
     runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens)
     for i, layer in enumerate(experts):
         _stream(modules[layer.module], i, runtime)
@@ -223,9 +224,37 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
                 info = store.tensors[f"{e.parent}.experts.0.{name}"]
                 spec = (info.shape, e.dtype_name, info.nbytes)
             specs[_canonical(name)] = (tuple(spec[0]), *spec[1:])
-        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", module.num_experts, specs))
+        resident = sum(_pages_touched(p.nbytes // p.shape[0], _row_offset(store, e, name))
+                       for name, p in _expert_params(module))
+        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", module.num_experts, specs,
+                                  resident_bytes=resident))
     raw = read_config(path)
     return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
+
+
+EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                 "down_proj_bias")
+
+
+def _expert_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n in EXPERT_PARAMS
+            if isinstance(p := getattr(module, n, None), torch.nn.Parameter)]
+
+
+def _row_offset(store: ExpertStore, experts: "_Experts", name: str) -> int:
+    """Where row 0 of a module parameter starts in its first page: where `from_pretrained`
+    has it, in the file's map (fused checkpoints: the file offset), or in memory of its own
+    (the per-expert tensors it merges), aligned as torch aligns."""
+    fused = store.tensors.get(f"{experts.parent}.experts.{name}")
+    return fused.offset % mmap.PAGESIZE if fused is not None else 0
+
+
+def _pages_touched(row_bytes: int, offset: int) -> int:
+    """The most memory one row may hold: its pages, with those it shares with neighbours."""
+    page = mmap.PAGESIZE
+    if offset % page == 0 and row_bytes % page == 0:
+        return row_bytes
+    return ((row_bytes - 1) // page + 2) * page
 
 
 PER_EXPERT_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -237,39 +266,46 @@ def _canonical(name: str) -> str:
     return f"{PER_EXPERT_ALIASES.get(proj, proj)}.{param}" if param else name
 
 
-def _rows(module: torch.nn.Module, experts: _Experts, store: ExpertStore) -> dict:
+def _rows(module: torch.nn.Module, experts: _Experts, store: ExpertStore, specs: dict) -> dict:
     """Give the module's expert parameters anonymous `[E, ...]` memory maps; returns the byte
-    views a read of each store tensor lands in, per expert (`view[e]`), and the maps."""
+    views a read of each stored tensor lands in, per expert (`view[e]`), and the maps. Every
+    parameter must be filled exactly by the checkpoint's tensors (else a one-line error)."""
+    params = dict(_expert_params(module))
     views, maps = {}, []  # maps: (memory map, offset of row 0, bytes of one expert's row)
-    for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
-                 "down_proj_bias"):
-        param = getattr(module, name, None)
-        if not isinstance(param, torch.nn.Parameter):
-            continue
-        # where `from_pretrained` would have it: in the file's map (fused checkpoints), or in
-        # memory of its own (the per-expert tensors it merges), aligned as torch aligns
-        fused = store.tensors.get(f"{experts.parent}.experts.{name}")
-        offset = fused.offset % mmap.PAGESIZE if fused is not None else 0
+    for name, param in params.items():
+        offset = _row_offset(store, experts, name)
         tensor, buffer = _mapped(param.shape, param.dtype, offset)
         maps.append((buffer, offset, tensor.nbytes // param.shape[0]))
         setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
         views[name] = tensor.view(torch.uint8).numpy()  # [E, ..., bytes]
-    out = {}
-    for stored in map(_canonical, experts.names):
-        proj, _, param = stored.partition(".")
-        if not param:  # the fused layout: one module parameter per stored tensor
-            out[stored] = views[stored]
-        elif proj in GATE_UP and "gate_up_proj" in views and param == "weight":
+    out, filled = {}, dict.fromkeys(params, 0)
+    for stored, (shape, _, nbytes) in specs.items():
+        proj, _, kind = stored.partition(".")
+        if not kind:  # the fused layout: one module parameter per stored tensor
+            target, view, want = stored, views.get(stored), tuple(params[stored].shape[1:]) \
+                if stored in params else None
+        elif proj in GATE_UP and kind == "weight" and "gate_up_proj" in params:
             if module.is_transposed or not module.is_concatenated:
                 raise ModelError(f"{experts.module}: per-expert checkpoints of a transposed or "
                                  f"interleaved gate_up layout are not supported")
-            gate_up = views["gate_up_proj"]
+            target, gate_up = "gate_up_proj", params["gate_up_proj"]
             half = gate_up.shape[1] // 2
-            out[stored] = gate_up[:, :half] if proj == "gate_proj" else gate_up[:, half:]
-        elif proj in views and param == "weight":
-            out[stored] = views[proj]
+            view = views[target][:, :half] if proj == "gate_proj" else views[target][:, half:]
+            want = (half, *gate_up.shape[2:])
         else:
-            raise ModelError(f"{experts.module}: no parameter takes the checkpoint's '{stored}'")
+            target = proj if kind == "weight" else f"{proj}_bias"
+            view, want = views.get(target), tuple(params[target].shape[1:]) \
+                if target in params else None
+        if view is None or tuple(shape) != want or view[0].nbytes != nbytes:
+            raise ModelError(f"{experts.parent}.experts: the checkpoint's '{stored}' "
+                             f"{list(shape)} fills no expert parameter of {experts.module}"
+                             + (f" (it needs {list(want)})" if want else ""))
+        out[stored] = view
+        filled[target] += nbytes
+    for name, param in params.items():
+        if filled[name] != param.nbytes // param.shape[0]:
+            raise ModelError(f"{experts.parent}.experts: the checkpoint does not fill "
+                             f"{experts.module}.{name} (no tensor, or only part of it)")
     return {"views": out, "maps": maps}
 
 
@@ -295,27 +331,41 @@ class ExpertRows:
 
 
 class _RowPool(SlotPool):
+    """The slots of one group of layers as the cache counts them; the bytes live in the
+    layers' rows (`ExpertRows`), placed by expert id, and a slot costs `slot_bytes`."""
+
+    releases = True
+
     def __init__(self, rows: ExpertRows, like: ExpertLayer, num_slots: int):
         self.rows, self.num_slots = rows, num_slots
-        self.views = {}  # no slot memory of its own: rows live in the layers' maps
-        self._nbytes = num_slots * like.expert_bytes
+        self.views = {}  # no slot memory of its own
+        self._nbytes = num_slots * like.slot_bytes
 
     def destination(self, layer: int, expert: int, slot: int) -> dict[str, np.ndarray]:
         return {name: view[expert] for name, view in self.rows.views[layer].items()}
 
     def layer_destination(self, layer: int, slots: list[int]) -> dict[str, np.ndarray] | None:
+        """Every row of the layer, whatever the slots (they only count)."""
         views = self.rows.views[layer]
         return views if all(v.flags.c_contiguous for v in views.values()) else None
 
-    def release(self, layer: int, expert: int) -> None:
-        """Hand back the pages that lie wholly inside the expert's rows (a page shared with a
-        neighbouring expert stays: it may be resident)."""
+    def release(self, layer: int, expert: int, resident: np.ndarray) -> None:
+        """Hand back the expert's pages: those inside its rows, and a page it shares with a
+        neighbour once no expert on that page is `resident`."""
         page = mmap.PAGESIZE
         for buffer, offset, size in self.rows.maps[layer]:
-            start = -(-(offset + expert * size) // page) * page
-            end = (offset + (expert + 1) * size) // page * page
-            if end > start:
-                buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+            start = offset + expert * size
+            first, last = start // page, (start + size - 1) // page
+
+            def alone(p: int) -> bool:  # no resident expert has bytes on page p
+                lo = max(0, (p * page - offset) // size)
+                return not resident[lo : ((p + 1) * page - 1 - offset) // size + 1].any()
+
+            first += not alone(first)
+            last -= last >= first and not alone(last)
+            if last >= first:
+                end = min((last + 1) * page, len(buffer))
+                buffer.madvise(mmap.MADV_DONTNEED, first * page, end - first * page)
 
     @property
     def nbytes(self) -> int:

@@ -31,6 +31,7 @@ got = greedy_logits(model, decode_tokens=12)
 stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
 print(json.dumps({
     "host": stats["host"],
+    "tokens": stats["tokens"],
     "equal": all(mx.array_equal(a, b).item() for a, b in zip(expected, got)),
     "evictions": stats["evictions"],
     "loads": stats["loads"],

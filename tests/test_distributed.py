@@ -72,3 +72,11 @@ def test_the_readme_two_host_command_runs_as_written():
     out = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
     assert "Node with rank" not in out.stderr, out.stderr[-3000:]
     assert out.stdout.count("generated at") == 1 and "all 2 hosts" in out.stdout
+
+
+def test_every_token_counts_on_a_host_that_owns_none_of_a_call(tiny_model):
+    """Top-2 of 8 experts over 2 hosts: some layer-0 calls route to the other host alone; the
+    tokens still count on both hosts (the policies decay by them)."""
+    out = launch(RUN, tiny_model("mixtral"), "60%")
+    hosts = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [h["tokens"] for h in hosts] == [64 + 12] * 2, out.stderr[-2000:]

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+
 from mlx_moestream.loader import load_lazy
 
 # Runs with mlx and torch blocked: a plan (made here by the MLX backend) and numpy slot pools.
@@ -57,3 +59,18 @@ def test_the_core_runtime_streams_exact_experts_with_mlx_and_torch_blocked(tiny_
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("streamed")
+
+
+def test_the_minimum_budget_gives_every_pool_its_experts_with_several_expert_shapes():
+    """Budgets split by integer arithmetic: `budget_holding(k)` always yields k slots a pool
+    (float shares once left a pool one slot short)."""
+    from mlx_moestream.plan import ExpertLayer, ModelPlan
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        sizes = rng.integers(1, 5000, size=2).tolist()
+        layers = [ExpertLayer(f"l{i}", 64, {"w": ((size,), "uint8", size)})
+                  for i, size in enumerate([sizes[0]] * 3 + [sizes[1]] * 2)]
+        plan = ModelPlan("t", 8, layers, 0, "")
+        for k in (8, 64):
+            assert min(plan.pool_slots(plan.budget_holding(k))) >= k

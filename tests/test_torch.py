@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import mlx_moestream  # noqa: E402
 import mlx_moestream.torch as moestream_torch  # noqa: E402
 from mlx_moestream.budget import BudgetError  # noqa: E402
+from mlx_moestream.hub import ModelError  # noqa: E402
 from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, make_tiny_hf_moe  # noqa: E402
 
 PROMPT = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -194,10 +195,13 @@ def resident_pages(buffer) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux only")
-def test_expert_memory_in_use_stays_within_the_budget(hf_model):
-    """Evicted experts' pages go back to the OS: the memory the expert maps hold never exceeds
-    the budget (rows here are whole pages), while a run without the release would."""
-    model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
+@pytest.mark.parametrize("fused, dtype", [(False, "float32"), (True, "bfloat16")],
+                         ids=["whole_pages", "rows_sharing_pages"])
+def test_expert_memory_in_use_stays_within_the_budget(hf_model, fused, dtype):
+    """Evicted experts' pages go back to the OS, a page shared with a neighbour once no expert
+    on it is resident: the memory the expert maps hold never exceeds the budget (fused rows
+    start at the file's offset in their page, so neighbours share pages)."""
+    model, _ = moestream_torch.load(hf_model("qwen3_moe", fused, dtype), budget="25%")
     runtime = model.moestream
     maps = [buffer for layer in runtime.pools[0].rows.maps for buffer, _, _ in layer]
     for _ in range(4):
@@ -206,3 +210,26 @@ def test_expert_memory_in_use_stays_within_the_budget(hf_model):
         held = sum(map(resident_pages, maps)) * 4096
         assert stats["evictions"] > 0 and held <= stats["budget_bytes"], (held, stats["budget_bytes"])
     assert held >= stats["resident_bytes"] * 0.5  # the pages are really there, and counted
+
+
+@pytest.mark.parametrize("change, message", [
+    ("drop", "does not fill model.layers.2.mlp.experts.down_proj"),
+    ("reshape", "'down_proj' [256, 64] fills no expert parameter"),
+])
+def test_a_checkpoint_missing_or_misshaping_an_expert_tensor_is_refused(hf_model, tmp_path,
+                                                                        change, message):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "model"
+    shutil.copytree(hf_model("qwen3_moe", fused=True), path)
+    weights = load_file(path / "model.safetensors")
+    key = "model.layers.2.mlp.experts.down_proj"
+    if change == "drop":
+        del weights[key]
+    else:
+        weights[key] = weights[key][..., :64].contiguous()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=re.escape(message)):
+        moestream_torch.load(path, budget="100%")
