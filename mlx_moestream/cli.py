@@ -302,7 +302,7 @@ def _read_on_host_0(prompt: str) -> str:
 
 def _format_hosts(stats: dict) -> str:
     total = stats["combined"]
-    hosts = ", ".join(f"host {i}: {h['hits'] / max(1, h['hits'] + h['misses']):.1%} hits, "
+    hosts = ", ".join(f"host {i}: {h['hit_rate']:.1%} hits, "
                       f"{format_bytes(int(h['bytes_read']))} read"
                       for i, h in enumerate(stats["hosts"]))
     return (f"all {len(stats['hosts'])} hosts: hit rate {total['hit_rate']:.1%}, "

@@ -19,6 +19,7 @@ from .policies import DEFAULT_POLICY, make_policy
 from .profiles import Profile
 from .runtime import Runtime
 from .session import as_profile, runtime_of
+from .stats import hit_rate
 from .store import ExpertStore
 
 
@@ -129,15 +130,13 @@ def host_stats(model: nn.Module) -> dict:
     host must make it (as they make every forward call)."""
     runtime = runtime_of(model)
     mine = runtime.stats_dict()
-    # as 24-bit pieces in float32 (what every backend sums and gathers), so counts stay exact
-    pieces = [part for k in HOST_COUNTERS for part in divmod(int(mine[k]), 1 << 24)]
-    gathered = np.array(mx.distributed.all_gather(mx.array(pieces, mx.float32))).astype(np.int64)
-    hosts = gathered[0::2] * (1 << 24) + gathered[1::2]
-    rows = hosts.reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
+    hosts = mx.distributed.all_gather(mx.array([int(mine[k]) for k in HOST_COUNTERS], mx.int64))
+    rows = np.array(hosts).reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
     per_host = [dict(zip(HOST_COUNTERS, row)) for row in rows]
     total = {k: sum(h[k] for h in per_host) for k in HOST_COUNTERS[1:]}
     total["tokens"] = per_host[0]["tokens"]
-    total["hit_rate"] = total["hits"] / max(1, total["hits"] + total["misses"])
+    for counts in (*per_host, total):
+        counts["hit_rate"] = hit_rate(counts["hits"], counts["misses"])
     return {"hosts": per_host, "combined": total}
 
 

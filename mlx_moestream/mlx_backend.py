@@ -202,19 +202,24 @@ class HostExperts(nn.Module):
         object.__setattr__(self, "watchdog", watchdog)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        ids = indices.astype(mx.int32) - self.first
-        owned = (ids >= 0) & (ids < self.count)
-        ids = mx.where(owned, ids, -1)  # another host's: masked, never read here
-        if isinstance(self.local, StreamingExperts) and not np.array(owned).any():
-            # none of this call is ours: its tokens count, and zeros of the output's shape and
-            # dtype go out (the probe's graph is never evaluated)
-            runtime = self.local.runtime
-            with runtime.lock:
-                runtime.route(self.local.layer, np.array(ids), compute=False)
-            probe = self.local.inner(x, mx.zeros(indices.shape, mx.uint32))
-            y = mx.zeros(probe.shape, probe.dtype)
+        if isinstance(self.local, StreamingExperts):  # it syncs for the ids anyway: once here
+            ids = np.array(indices).astype(np.int32) - self.first
+            owned = (ids >= 0) & (ids < self.count)
+            ids[~owned] = -1  # another host's: masked, never read here
+            if owned.any():
+                y = self.local(x, mx.array(ids))
+            else:  # none of this call is ours: its tokens count, and zeros of the output's
+                runtime = self.local.runtime  # shape and dtype go out (the probe's graph is
+                with runtime.lock:  # never evaluated)
+                    runtime.route(self.local.layer, ids, compute=False)
+                probe = self.local.inner(x, mx.zeros(indices.shape, mx.uint32))
+                y = mx.zeros(probe.shape, probe.dtype)
+            owned = mx.array(owned)
         else:
-            y = mx.where(owned[..., None], self.local(x, ids), 0)
+            ids = indices.astype(mx.int32) - self.first
+            owned = (ids >= 0) & (ids < self.count)
+            y = self.local(x, mx.where(owned, ids, -1))
+        y = mx.where(owned[..., None], y, 0)
         y = mx.distributed.all_sum(y, group=self.group)
         with self.watchdog:
             mx.eval(y)

@@ -32,7 +32,7 @@ class ExpertLayer:
     total_experts: int = 0
     # Memory one resident expert may hold, when more than its bytes (a backend whose rows share
     # pages with their neighbours): what a slot costs the budget (0: `expert_bytes`)
-    resident_bytes: int = 0
+    held_bytes: int = 0
 
     @property
     def signature(self) -> tuple:
@@ -44,7 +44,7 @@ class ExpertLayer:
 
     @property
     def slot_bytes(self) -> int:
-        return self.resident_bytes or self.expert_bytes
+        return self.held_bytes or self.expert_bytes
 
 
 @dataclass
@@ -125,7 +125,7 @@ class ModelPlan:
             if end == first:
                 raise ValueError(f"{l.path} has {l.num_experts} experts: too few for {hosts} hosts")
             layers.append(ExpertLayer(l.path, end - first, l.specs, first, l.num_experts,
-                                      l.resident_bytes))
+                                      l.held_bytes))
         return ModelPlan(self.model_type, self.top_k, layers, self.dense_bytes, self.config_hash)
 
     def describe(self) -> dict:

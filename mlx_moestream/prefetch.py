@@ -67,8 +67,7 @@ class Prefetch:
             return
         with CRITICAL:
             loads, evicted = cache.prefetch(nxt, predicted, self.reading)
-            runtime.stats.count_evictions(evicted)
-            runtime.release(evicted)
+            runtime.evicted(evicted)
             self.prefetched[nxt] = {e for e, _ in loads}
             self.reads += [(nxt, e, runtime.io.submit(runtime.read, nxt, e, s)) for e, s in loads]
 
@@ -89,8 +88,7 @@ class Prefetch:
                 runtime.count_read(owner, *read.result())
                 stats.prefetch_loads[owner] += 1
             except StoreError:
-                runtime.layer_cache[owner].discard(owner, expert)
-                runtime.release([owner * runtime.plan.num_experts + expert])
+                runtime.forget(owner, expert)
                 self.prefetched.get(owner, set()).discard(expert)
                 stats.read_errors += 1
         self.reads = []

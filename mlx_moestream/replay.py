@@ -215,14 +215,17 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
         for layer, expert in picks:
             cache.admit(layer, expert)
     hits = np.zeros(trace.tokens, np.int64)
-    request, tick, count, requests = cache.request, cache.tick, stats.count_request, prepared.requests
+    request, tick, requests = cache.request, cache.tick, prepared.requests
+    count, count_evictions = stats.count_request, stats.count_evictions
     for t in range(trace.tokens):
         tick(1)
         token_hits = 0
         for layer, experts in enumerate(requests[t * layers : (t + 1) * layers]):
             if len(experts):
                 loads, hit, evicted = request(layer, experts)
-                count(layer, hit, len(loads), evicted)
+                count(layer, hit, len(loads))
+                if evicted:
+                    count_evictions(evicted)
                 token_hits += hit
         hits[t] = token_hits
     return stats, hits, name

@@ -74,16 +74,18 @@ class Runtime:
 
     def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int, new_pool: NewPool,
                  policy: str = DEFAULT_POLICY, window_tokens: int = 32, per_layer: bool = False,
-                 layer_weights: np.ndarray | None = None, io_threads: int = 4):
+                 layer_weights: np.ndarray | None = None, io_threads: int = 4,
+                 whole_calls: bool = False):
         """`new_pool(layer, num_slots)` makes a backend's pool for layers shaped like `layer`.
         `per_layer` gives each layer its own share of a pool (`layer_weights`, e.g. from a
-        profile, or uniform) instead of one budget shared by all layers."""
-        if budget_bytes < plan.min_budget_bytes:
-            raise BudgetError(
-                f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the minimum "
-                f"{format_bytes(plan.min_budget_bytes)} ({plan.min_budget_bytes} bytes): one "
-                f"token's top-{plan.top_k} experts must fit"
-            )
+        profile, or uniform) instead of one budget shared by all layers. `whole_calls`: the
+        backend cannot compute a call in `rounds`, so every expert of a layer must fit."""
+        need = plan.budget_holding() if whole_calls else plan.min_budget_bytes
+        if budget_bytes < need:
+            what = ("every expert of one layer must fit: the backend computes a call at once"
+                    if whole_calls else f"one token's top-{plan.top_k} experts must fit")
+            raise BudgetError(f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is "
+                              f"below the minimum {format_bytes(need)} ({need} bytes): {what}")
         self.plan = plan
         self.store = store
         self.budget_bytes = budget_bytes
@@ -211,20 +213,33 @@ class Runtime:
         Callers hold CRITICAL: no decision without its load."""
         cache = self.layer_cache[layer]
         loads, hits, evicted = cache.request(layer, experts)
-        self.stats.count_request(layer, hits, len(loads), evicted)
+        self.stats.count_request(layer, hits, len(loads))
         if evicted:
-            self.release(evicted)
+            self.evicted(evicted)
         if loads:
-            self._load(layer, cache, loads)
+            self._load(layer, loads)
         return cache.slots(layer, ids)
 
-    def release(self, keys: list[int]) -> None:
-        """Tell the pools that keys (`layer * num_experts + expert`) left their slots."""
+    def evicted(self, keys: list[int]) -> None:
+        """Count the cache's victims (`layer * num_experts + expert`) and release them."""
+        self.stats.count_evictions(keys)
+        self._release(keys)
+
+    def forget(self, layer: int, expert: int) -> None:
+        """An expert whose read failed leaves its slot, so it is never read as valid."""
+        self.layer_cache[layer].discard(layer, expert)
+        self._release([layer * self.plan.num_experts + expert])
+
+    def _release(self, keys: list[int]) -> None:
+        """Tell the pools that want to know that keys left their slots."""
+        resident = {}  # per layer, which experts hold a slot now
         for key in keys:
             layer, expert = divmod(key, self.plan.num_experts)
             pool = self.layer_pool[layer]
             if pool.releases:
-                pool.release(layer, expert, self.slot_map(layer) >= 0)
+                if layer not in resident:
+                    resident[layer] = self.slot_map(layer) >= 0
+                pool.release(layer, expert, resident[layer])
 
     def read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
         """Read one expert into its slot: (bytes, seconds)."""
@@ -238,7 +253,7 @@ class Runtime:
         self.stats.bytes_read[layer] += nbytes
         self.stats.loads[layer] += experts
 
-    def _load(self, layer: int, cache: ExpertCache, loads: list[tuple[int, int]]) -> None:
+    def _load(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Read the missing experts of a call, concurrently when there are several."""
         start = time.perf_counter()
         reads = [partial(self.read, layer, e, s) for e, s in loads]
@@ -249,8 +264,7 @@ class Runtime:
             try:
                 self.count_read(layer, *read())
             except StoreError as e:
-                cache.discard(layer, expert)
-                self.release([layer * self.plan.num_experts + expert])
+                self.forget(layer, expert)
                 failed = failed or e
         self.stats.stall_seconds[layer] += time.perf_counter() - start
         if failed:
@@ -328,7 +342,7 @@ class Runtime:
                     try:
                         read = self.read(layer, expert, slot)
                     except StoreError:
-                        cache.discard(layer, expert)
+                        self.forget(layer, expert)
                         self.stats.read_errors += 1
                         raise
                     self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read

@@ -45,12 +45,10 @@ class Stats:
         self._hits, self._misses = memoryview(self.hits), memoryview(self.misses)
         self._evictions = memoryview(self.evictions)
 
-    def count_request(self, layer: int, hits: int, misses: int, evicted: list[int]) -> None:
-        """Count one call's accesses, and the evictions (keys) its misses caused."""
+    def count_request(self, layer: int, hits: int, misses: int) -> None:
+        """Count one call's accesses."""
         self._hits[layer] += hits
         self._misses[layer] += misses
-        if evicted:
-            self.count_evictions(evicted)
 
     def count_evictions(self, keys: list[int]) -> None:
         """Each evicted key counts at its own layer (`key // num_experts`)."""
@@ -90,7 +88,7 @@ class Stats:
             "bytes_read": int(self.bytes_read[i]),
             "read_ms": float(self.read_seconds[i] * 1e3),
             "unique_experts": int((self.activations[i] > 0).sum()),
-            "hit_rate": _rate(self.hits[i], self.misses[i]),
+            "hit_rate": hit_rate(self.hits[i], self.misses[i]),
             "stall_ms": float(self.stall_seconds[i] * 1e3),
             "prefetch_loads": int(self.prefetch_loads[i]),
             "prefetch_used": int(self.prefetch_used[i]),
@@ -104,7 +102,7 @@ class Stats:
             "tokens": self.tokens,
             "hits": hits,
             "misses": misses,
-            "hit_rate": _rate(hits, misses),
+            "hit_rate": hit_rate(hits, misses),
             "loads": int(self.loads.sum()),
             "evictions": int(self.evictions.sum()),
             "bytes_read": int(self.bytes_read.sum()),
@@ -123,7 +121,7 @@ class Stats:
         }
 
 
-def _rate(hits, misses) -> float:
+def hit_rate(hits, misses) -> float:
     total = hits + misses
     return float(hits / total) if total else 0.0
 
@@ -134,4 +132,4 @@ def ratio(part, whole) -> float | None:
 
 def _window(start: int, end: int, hits: int, misses: int) -> dict:
     return {"start_token": start, "end_token": end, "hits": hits, "misses": misses,
-            "hit_rate": _rate(hits, misses)}
+            "hit_rate": hit_rate(hits, misses)}

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import initialization as init
 
-from .budget import BudgetError, available_memory_bytes, format_bytes, resolve_budget
+from .budget import BudgetError, available_memory_bytes, resolve_budget
 from .hub import ModelError, resolve_model_path
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
 from .policies import DEFAULT_POLICY, make_policy
@@ -60,13 +60,8 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
                        for e, layer in zip(experts, plan.layers)])
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
                                   plan.dense_bytes, available_memory_bytes())
-    need = plan.budget_holding()
-    if budget_bytes < need:
-        raise BudgetError(
-            f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the torch "
-            f"backend's minimum {format_bytes(need)} ({need} bytes): a call is computed at once, "
-            f"so every expert of one layer must fit")
-    runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens)
+    runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens,
+                      whole_calls=True)
     for i, layer in enumerate(experts):
         _stream(modules[layer.module], i, runtime)
     lm.moestream = runtime
@@ -227,7 +222,7 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
         resident = sum(_pages_touched(p.nbytes // p.shape[0], _row_offset(store, e, name))
                        for name, p in _expert_params(module))
         layers.append(ExpertLayer(f"{e.parent}.switch_mlp", module.num_experts, specs,
-                                  resident_bytes=resident))
+                                  held_bytes=resident))
     raw = read_config(path)
     return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
 

@@ -79,14 +79,17 @@ def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: 
         new_policy = partial(make_policy, name, num_keys=num_keys, num_experts=num_experts)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
     cache = ExpertCache(slots, list(range(layers)), num_experts, layers, new_policy)
-    request, tick, count = cache.request, cache.tick, stats.count_request
+    request, tick = cache.request, cache.tick
+    count, count_evictions = stats.count_request, stats.count_evictions
 
     def replay(rows):
         for row in rows:
             tick(1)
             for layer, experts in enumerate(row):
                 loads, hits, evicted = request(layer, experts)
-                count(layer, hits, len(loads), evicted)
+                count(layer, hits, len(loads))
+                if evicted:
+                    count_evictions(evicted)
 
     replay(rows[:warm_tokens])
     hits0, misses0 = int(stats.hits.sum()), int(stats.misses.sum())
