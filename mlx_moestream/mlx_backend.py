@@ -6,12 +6,15 @@ are replaced by a pool of slots shared by every MoE layer with the same expert s
 routed expert ids are remapped to slot ids before the original module runs.
 
 Slots are filled by reading from the files straight into the pool's memory, so no computation
-that reads a slot may still be pending when a later call overwrites it: every call evaluates its
-expert output before it returns (teacher-forced scoring, for one, never needs a token's last
-layers before the next token's loads). When the budget gives every expert a slot of its own, no
-slot is ever overwritten: `ResidentExperts` maps ids to slots on the device and the graph stays
-lazy as in stock mlx-lm. Prefetch reads run during that evaluation and never touch the slots it
-reads.
+that reads a slot may still be pending when a later call overwrites it: every call schedules its
+expert output (`mx.async_eval`) before it returns, and the next call waits for it before it
+decides anything (`InFlight`). That wait is normally free, as the next call's read of its routed
+ids has computed the output already (the residual stream depends on it), so a layer costs one
+host sync, not two; and the output computes while Python builds the next layer's graph. Only
+scheduled work is waited for, which works from any thread (an unscheduled graph can be evaluated
+only by the thread that built it). When the budget gives every expert a slot of its own, no slot
+is ever overwritten: `ResidentExperts` maps ids to slots on the device and the graph stays lazy
+as in stock mlx-lm. Prefetch reads run while the output computes and never touch its slots.
 """
 
 from __future__ import annotations
@@ -99,12 +102,13 @@ def _page_aligned_zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 class StreamingExperts(nn.Module):
     """Drop-in replacement for a SwitchGLU / SwitchMLP whose experts are streamed."""
 
-    def __init__(self, inner: nn.Module, layer: int, runtime: Runtime):
+    def __init__(self, inner: nn.Module, layer: int, runtime: Runtime, in_flight: "InFlight"):
         super().__init__()
         # Plain attributes, not children: the pool must not appear among the model's parameters.
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "runtime", runtime)
+        object.__setattr__(self, "in_flight", in_flight)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         runtime = self.runtime
@@ -113,14 +117,14 @@ class StreamingExperts(nn.Module):
         with runtime.lock:
             ids = np.array(indices)  # host sync: the routing decides what must be read
             runtime.count_sync()
+            runtime.settle()  # the previous call's output (see the module docstring)
             slots = runtime.route(self.layer, ids)
             if slots is None:
                 return self._in_rounds(x, ids)
             y = self.inner(x, mx.array(slots))
             if runtime.prefetch:
                 runtime.prefetch.after(self.layer, x)
-            mx.eval(y)  # see the module docstring: no pending reads of a slot
-            runtime.count_sync()
+            self.in_flight.add(y)
             return y
 
     def _in_rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
@@ -137,6 +141,23 @@ class StreamingExperts(nn.Module):
         inverse[order] = np.arange(len(order))
         y = mx.concatenate(outs)[mx.array(inverse)]
         return y.reshape(*ids.shape, y.shape[-1])
+
+
+class InFlight:
+    """Expert outputs scheduled but perhaps not computed yet: they read slots, so nothing may
+    be read into a slot until they are done (`wait`, the runtime's `settle`)."""
+
+    def __init__(self):
+        self.outputs: list[mx.array] = []
+
+    def add(self, y: mx.array) -> None:
+        mx.async_eval(y)
+        self.outputs.append(y)
+
+    def wait(self) -> None:
+        if self.outputs:
+            mx.eval(self.outputs)
+            self.outputs = []
 
 
 class ResidentExperts(nn.Module):
@@ -270,6 +291,8 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
         deferred = DeferredRouting(runtime)
         runtime.count_deferred = deferred.count
     routers = {}
+    in_flight = InFlight()
+    runtime.settle = in_flight.wait
     watchdog = Watchdog(timeout_seconds) if group is not None else None
     for i, (path, module) in enumerate(found):
         parent_path, attr = path.rsplit(".", 1)
@@ -279,7 +302,7 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
             slot_map = mx.array(np.append(row, row[0]))  # masked ids: expert 0's slot
             experts = ResidentExperts(module, i, slot_map, deferred)
         else:
-            experts = StreamingExperts(module, i, runtime)
+            experts = StreamingExperts(module, i, runtime, in_flight)
             routers[i] = _router(parent, runtime.plan.layers[i].num_experts)  # not shared
         if group is not None:
             layer = runtime.plan.layers[i]

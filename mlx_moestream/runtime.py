@@ -96,6 +96,9 @@ class Runtime:
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
         # a backend that counts routing after the fact (all experts resident) flushes it here
         self.count_deferred: Callable[[], None] = lambda: None
+        # a backend whose compute may still read slots when a call returns waits for it here
+        # before a call decides anything (pre-warm reads only free slots: no wait)
+        self.settle: Callable[[], None] = lambda: None
         self.prewarm_info: dict | None = None
         self.host = (0, 1)  # (this host, hosts) under expert parallelism
         self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer

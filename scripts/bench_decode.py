@@ -608,9 +608,8 @@ def markdown(doc: dict) -> str:
         "1 / (1 / tok/s at 100% with the same prefetch setting + bytes read per token / disk "
         f"bandwidth), with the disk bandwidth measured cold in this run: "
         f"{disk['disk_GBps']:.2f} GB/s (below). syncs/token: as `stats()` counts them: one "
-        "read of the routed ids per layer, one per prediction, and the `mx.eval` of each "
-        "layer's expert output, which is skipped when every expert has a slot of its own "
-        "(100%). Memory: MLX peak and active memory above what "
+        "read of the routed ids per layer (none when every expert has a slot of its own, at "
+        "100%) and one per prediction. Memory: MLX peak and active memory above what "
         "was allocated before the config's load (the slot pool or all experts, the dense "
         "weights, the KV cache, temporaries).",
         "",

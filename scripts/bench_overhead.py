@@ -1,0 +1,89 @@
+"""Per-token cost of streaming on a small model: the embedded model at a budget, against stock
+mlx-lm on the same prompt, in one process. Prints JSON.
+
+Both models are loaded once and warmed up; their passes then alternate (--repeats each). A pass
+is a prompt and --tokens greedy decode tokens through `mlx_lm.generate.generate_step`; ms/token
+is a pass's mean time per token past the first --skip tokens, and the result the median
+over passes. The streamed model's statistics are those of its measured passes: hit rate,
+host syncs per token (as `stats()` counts them), and the time per token spent waiting for reads.
+
+    python scripts/bench_overhead.py --budget 30%
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx_moestream  # noqa: E402
+from mlx_moestream.hub import resolve_model_path  # noqa: E402
+
+PROMPT = "Ciao! Raccontami una storia breve su un gatto che vive a Roma."
+
+
+def decode_ms(model, prompt: mx.array, tokens: int, skip: int) -> float:
+    """Mean ms per decode token of one greedy pass, past the first `skip` tokens."""
+    times, last = [], time.perf_counter()
+    for _ in generate_step(prompt, model, max_tokens=tokens):
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return statistics.fmean(times[skip:]) * 1e3
+
+
+def counters(model) -> dict:
+    s = mlx_moestream.stats(model)
+    return {"tokens": s["tokens"], "hits": s["hits"], "misses": s["misses"], "syncs": s["syncs"],
+            "stall_s": sum(layer["stall_ms"] for layer in s["layers"]) / 1e3}
+
+
+@click.command()
+@click.option("--budget", default="30%", show_default=True)
+@click.option("--tokens", default=256, show_default=True, help="Decode tokens per pass.")
+@click.option("--skip", default=8, show_default=True, help="Decode tokens left out of a pass.")
+@click.option("--repeats", default=5, show_default=True, help="Measured passes of each model.")
+def main(budget: str, tokens: int, skip: int, repeats: int) -> None:
+    path = resolve_model_path(None)
+    stock, tokenizer = mlx_lm.load(str(path))
+    streamed, _ = mlx_moestream.load(path, budget=budget)
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    for model in (stock, streamed):  # warm-up: the cache reaches its steady state
+        decode_ms(model, prompt, tokens, skip)
+    load = os.getloadavg()[0]
+    before = counters(streamed)
+    ms = {"stock": [], "streamed": []}
+    for _ in range(repeats):
+        ms["stock"].append(decode_ms(stock, prompt, tokens, skip))
+        ms["streamed"].append(decode_ms(streamed, prompt, tokens, skip))
+    after = counters(streamed)
+    n = after["tokens"] - before["tokens"]
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    stock_ms, streamed_ms = statistics.median(ms["stock"]), statistics.median(ms["streamed"])
+    stall_ms = (after["stall_s"] - before["stall_s"]) / n * 1e3
+    click.echo(json.dumps({
+        "model": "embedded", "budget": budget, "tokens": tokens, "repeats": repeats,
+        "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
+        "stock_ms_per_token": round(stock_ms, 3),
+        "streamed_ms_per_token": round(streamed_ms, 3),
+        "ratio": round(streamed_ms / stock_ms, 3),
+        "hit_rate": round(hits / (hits + misses), 4),
+        "syncs_per_token": round((after["syncs"] - before["syncs"]) / n, 2),
+        "read_stall_ms_per_token": round(stall_ms, 3),
+        "ratio_without_read_stall": round((streamed_ms - stall_ms) / stock_ms, 3),
+        "passes_ms": {k: [round(v, 3) for v in vs] for k, vs in ms.items()},
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
