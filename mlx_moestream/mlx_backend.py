@@ -109,21 +109,30 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "runtime", runtime)
         object.__setattr__(self, "in_flight", in_flight)
+        object.__setattr__(self, "next_router", None)  # the next layer's, to predict with
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         runtime = self.runtime
         # One thread's call at a time, computed before the next may reuse its slots: threads
         # sharing the model interleave whole layer calls.
         with runtime.lock:
+            prefetch = runtime.prefetch
+            if prefetch and self.next_router is not None and prefetch.wanted(self.layer):
+                k = runtime.plan.top_k
+                picks = mx.argpartition(-self.next_router(x), kth=k - 1, axis=-1)[..., :k]
+                mx.eval(indices, picks)  # one host sync for the routing and the prediction
+                predicted = np.unique(np.array(picks))
+            else:
+                predicted = None
             ids = np.array(indices)  # host sync: the routing decides what must be read
             runtime.count_sync()
             runtime.settle()  # the previous call's output (see the module docstring)
             slots = runtime.route(self.layer, ids)
             if slots is None:
                 return self._in_rounds(x, ids)
+            if predicted is not None:  # read while this call computes
+                prefetch.after(self.layer, predicted)
             y = self.inner(x, mx.array(slots))
-            if runtime.prefetch:
-                runtime.prefetch.after(self.layer, x)
             self.in_flight.add(y)
             return y
 
@@ -278,8 +287,8 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
     """Swap every expert module of `model` for one that computes from the runtime's slot pools
     (its lazy experts drop out of the model). When every expert has a slot, read them all now,
     as stock mlx-lm reads its weights, and compute without host syncs (`ResidentExperts`);
-    else stream (`StreamingExperts`), predicting each next layer's experts with its own router
-    when `prefetch`. `progress(items, label)` may wrap the reads. With a distributed `group`,
+    else stream (`StreamingExperts`), predicting each next layer's experts with that layer's
+    router when `prefetch`. `progress(items, label)` may wrap the reads. With a distributed `group`,
     the runtime serves this host's experts (`ModelPlan.host_share`) and each module is wrapped
     in `HostExperts`, whose exchanges time out after `timeout_seconds`."""
     found = expert_modules(model)
@@ -290,7 +299,7 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
         runtime.read_all(progress)
         deferred = DeferredRouting(runtime)
         runtime.count_deferred = deferred.count
-    routers = {}
+    streamed = []
     in_flight = InFlight()
     runtime.settle = in_flight.wait
     watchdog = Watchdog(timeout_seconds) if group is not None else None
@@ -303,28 +312,16 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
             experts = ResidentExperts(module, i, slot_map, deferred)
         else:
             experts = StreamingExperts(module, i, runtime, in_flight)
-            routers[i] = _router(parent, runtime.plan.layers[i].num_experts)  # not shared
+            streamed.append((experts, _router(parent, runtime.plan.layers[i].num_experts)))
         if group is not None:
             layer = runtime.plan.layers[i]
             experts = HostExperts(experts, layer.first_expert, layer.num_experts, group, watchdog)
         setattr(parent, attr, experts)
     model.moestream = runtime
     if prefetch:
-        runtime.enable_prefetch(_predictor(routers, runtime.plan.top_k))
-
-
-def _predictor(routers: dict, top_k: int):
-    """`predict(layer, x)` for `Prefetch`: the distinct experts `layer`'s router picks for `x`
-    (None where no router was found)."""
-
-    def predict(layer: int, x: mx.array) -> np.ndarray | None:
-        router = routers.get(layer)
-        if router is None:
-            return None
-        logits = router(x)
-        return np.unique(np.array(mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., :top_k]))
-
-    return predict
+        for (experts, _), (_, router) in zip(streamed, streamed[1:]):
+            object.__setattr__(experts, "next_router", router)  # None where none was found
+        runtime.enable_prefetch()
 
 
 def _router(block: nn.Module, num_experts: int):

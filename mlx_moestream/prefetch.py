@@ -1,15 +1,17 @@
 """Reading ahead: each next layer's experts, predicted while the current layer computes.
 
-Backend neutral: the backend supplies `predict(layer, x)`, the distinct experts that layer's
-router picks for `x` (the current layer's input, a host sync), and the runtime supplies reads;
-this module decides when a prediction pays, keeps the reads in flight and scores them.
+Backend neutral: this module says when a layer call should predict the next layer's experts
+(`wanted`), and the backend computes that prediction, the next layer's router applied to the
+current layer's input, in the same host sync as the call's own routed ids, so a prediction
+costs no sync of its own; the runtime supplies reads. This module decides when a prediction
+pays, keeps the reads in flight and scores them.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,15 +30,12 @@ PREFETCH_MIN_USEFUL = 0.25
 PREFETCH_WARMUP = 16
 PREFETCH_PROBE = 8  # while it does not pay, a layer is predicted on one token in this many
 
-Predict = Callable[[int, Any], np.ndarray]
-
 
 class Prefetch:
     """Predictions of each layer's next call, the reads they started, and whether they pay."""
 
-    def __init__(self, runtime: "Runtime", predict: Predict):
+    def __init__(self, runtime: "Runtime"):
         self.runtime = runtime
-        self.predict = predict
         layers = runtime.plan.num_layers
         self.reads: list[tuple[int, int, Future]] = []  # (layer, expert, read) in flight
         self.predictions: dict[int, np.ndarray] = {}  # layer -> experts predicted for its next call
@@ -46,21 +45,19 @@ class Prefetch:
         self.gate_predicted = np.zeros(layers)  # tally of predicted misses per layer,
         self.gate_routed = np.zeros(layers)  # and of those then routed
 
-    def after(self, layer: int, x) -> None:
-        """Predict the next layer's experts from this layer's input `x` and start reading the
-        predicted misses; the pending computation's experts stay."""
+    def wanted(self, layer: int) -> bool:
+        """Whether this call of `layer` should predict the next layer's experts: not past the
+        last layer, nor when the next one holds all its experts, and while reading ahead does
+        not pay there, only now and then, to see if it does."""
         runtime, nxt = self.runtime, layer + 1
-        if nxt >= runtime.plan.num_layers:
-            return
+        return (nxt < runtime.plan.num_layers and not runtime.layer_cache[nxt].holds_layer(nxt)
+                and (self.pays(nxt) or runtime.stats.tokens % PREFETCH_PROBE == 0))
+
+    def after(self, layer: int, predicted: np.ndarray) -> None:
+        """Start reading the next layer's `predicted` experts (distinct ids) that are not
+        resident; the experts of this call, which it has yet to compute, stay."""
+        runtime, nxt = self.runtime, layer + 1
         cache = runtime.layer_cache[nxt]
-        if cache.holds_layer(nxt):  # nothing to read: skip the prediction's sync
-            return
-        if not self.pays(nxt) and runtime.stats.tokens % PREFETCH_PROBE:
-            return  # reading ahead does not pay here: predict now and then, to see if it does
-        predicted = self.predict(nxt, x)
-        if predicted is None:  # the backend found no router for that layer
-            return
-        runtime.count_sync()
         self.predictions[nxt] = predicted
         self.predicted_misses[nxt] = set(cache.missing(nxt, predicted).tolist())
         if len(predicted) + len(self.reading) > cache.capacity(nxt) or not self.pays(nxt):

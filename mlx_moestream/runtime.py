@@ -23,7 +23,7 @@ from .cache import ExpertCache, split_slots
 from .interrupts import CRITICAL, install_handler
 from .plan import ExpertLayer, ModelPlan
 from .policies import DEFAULT_POLICY
-from .prefetch import Predict, Prefetch
+from .prefetch import Prefetch
 from .profiles import Profile
 from .stats import Stats, ratio
 from .store import ExpertStore, StoreError
@@ -136,12 +136,12 @@ class Runtime:
         # read all of them at load (`read_all`) and compute without waiting on the host
         self.holds_all = all(cache.holds_all for cache in self.caches)
 
-    def enable_prefetch(self, predict: Predict) -> None:
+    def enable_prefetch(self) -> None:
         """Read each next layer's predicted experts ahead (see `prefetch`). Not when every
-        expert has a slot: each misses once a session, and a prediction's host sync on every
-        token would cost more than reading ahead saves."""
+        expert has a slot: each misses once a session, and predicting on every token would
+        cost more than reading ahead saves."""
         if not self.holds_all:
-            self.prefetch = Prefetch(self, predict)
+            self.prefetch = Prefetch(self)
 
     def capacity(self, layer: int) -> int:
         return self.layer_cache[layer].capacity(layer)

@@ -53,10 +53,11 @@ def counters(model) -> dict:
 @click.option("--tokens", default=256, show_default=True, help="Decode tokens per pass.")
 @click.option("--skip", default=8, show_default=True, help="Decode tokens left out of a pass.")
 @click.option("--repeats", default=5, show_default=True, help="Measured passes of each model.")
-def main(budget: str, tokens: int, skip: int, repeats: int) -> None:
+@click.option("--prefetch/--no-prefetch", default=False, show_default=True)
+def main(budget: str, tokens: int, skip: int, repeats: int, prefetch: bool) -> None:
     path = resolve_model_path(None)
     stock, tokenizer = mlx_lm.load(str(path))
-    streamed, _ = mlx_moestream.load(path, budget=budget)
+    streamed, _ = mlx_moestream.load(path, budget=budget, prefetch=prefetch)
     prompt = mx.array(tokenizer.encode(PROMPT))
     for model in (stock, streamed):  # warm-up: the cache reaches its steady state
         decode_ms(model, prompt, tokens, skip)
@@ -72,7 +73,7 @@ def main(budget: str, tokens: int, skip: int, repeats: int) -> None:
     stock_ms, streamed_ms = statistics.median(ms["stock"]), statistics.median(ms["streamed"])
     stall_ms = (after["stall_s"] - before["stall_s"]) / n * 1e3
     click.echo(json.dumps({
-        "model": "embedded", "budget": budget, "tokens": tokens, "repeats": repeats,
+        "model": "embedded", "budget": budget, "prefetch": prefetch, "tokens": tokens, "repeats": repeats,
         "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
         "stock_ms_per_token": round(stock_ms, 3),
         "streamed_ms_per_token": round(streamed_ms, 3),

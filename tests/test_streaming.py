@@ -215,10 +215,20 @@ def test_a_layer_whose_prefetch_does_not_pay_is_predicted_on_one_token_in_eight(
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
     greedy_logits(model)
     runtime = model.moestream
-    layers, syncs = len(runtime.plan.layers), runtime.stats.syncs
-    greedy_logits(model)  # 33 calls per layer, each reading its ids
-    predictions = runtime.stats.syncs - syncs - 33 * layers
-    assert 0 < predictions <= (layers - 1) * (33 // prefetch.PREFETCH_PROBE + 1)
+    predictions = []
+    after = runtime.prefetch.after
+    monkeypatch.setattr(runtime.prefetch, "after", lambda *a: (predictions.append(a), after(*a)))
+    greedy_logits(model)  # 33 calls per layer
+    layers = len(runtime.plan.layers)
+    assert 0 < len(predictions) <= (layers - 1) * (33 // prefetch.PREFETCH_PROBE + 1)
+
+
+def test_a_prediction_shares_the_host_sync_of_the_calls_routed_ids(tiny_model):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
+    greedy_logits(model)
+    stats = model.moestream.stats
+    assert stats.predicted.sum() > 0
+    assert stats.syncs == 33 * len(model.moestream.plan.layers)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
