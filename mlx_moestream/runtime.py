@@ -26,7 +26,7 @@ from .policies import DEFAULT_POLICY
 from .prefetch import Prefetch
 from .profiles import Profile
 from .stats import Stats, ratio
-from .store import ExpertStore, StoreError
+from .store import ExpertStore, Run, StoreError
 
 
 class SlotPool:
@@ -276,34 +276,51 @@ class Runtime:
 
     def read_all(self, progress=None) -> None:
         """When every expert has a slot (`holds_all`), read them all now, as stock mlx-lm reads
-        its weights at load: a layer's stacked tensors in one read each where the slots follow
-        the file, the layers concurrently. `progress(items, label)` may wrap the reads."""
-        reads = []
+        its weights at load: in a few large reads in file order (`ExpertStore.plan_reads`)
+        where a layer's slots are one block in expert order, else (a repacked copy, a pool
+        placing experts otherwise) expert by expert; the reads concurrently.
+        `progress(items, label)` may wrap the reads."""
+        reads, in_runs = [], {}  # store layer -> (layer, destination) of those read in runs
         for layer in range(self.plan.num_layers):
             slots = self.layer_cache[layer].admit_layer(layer)
-            reads.append(self.io.submit(self._read_layer, layer, slots))
+            dest = self.layer_pool[layer].layer_destination(layer, slots)
+            if dest is not None and not self.store.expert_major(self.store_layer[layer]):
+                in_runs[self.store_layer[layer]] = (layer, dest)
+            else:
+                reads.append(self.io.submit(self._read_experts, layer, slots))
+        runs = self.store.plan_reads({i: dest for i, (_, dest) in in_runs.items()})
+        layer_of = {i: layer for i, (layer, _) in in_runs.items()}
+        reads += [self.io.submit(self._read_run, run, layer_of) for run in runs]
         context = progress(reads, "read experts") if progress else nullcontext(reads)
         try:
             with context as items:
-                for layer, read in enumerate(items):  # items first: the bar ends at 100%
-                    for nbytes, seconds, experts in read.result():
+                for read in items:  # items first: the bar ends at 100%
+                    for layer, nbytes, seconds, experts in read.result():
                         self.count_read(layer, nbytes, seconds, experts)
         except BaseException:
             for read in reads:
                 read.cancel()
             raise
+        for layer, _ in in_runs.values():
+            self.stats.loads[layer] += self.plan.layers[layer].num_experts
 
-    def _read_layer(self, layer: int, slots: list[int]) -> list[tuple[int, float, int]]:
-        """Every expert of a layer into `slots`: one read per tensor when the slots follow the
-        experts in order and the file holds them so, else one read per expert. Returns
-        (bytes, seconds, experts) per read."""
+    def _read_experts(self, layer: int, slots: list[int]) -> list[tuple[int, int, float, int]]:
+        """Every expert of a layer into `slots`, one read each: (layer, bytes, seconds, 1)."""
+        return [(layer, *self.read(layer, e, s), 1) for e, s in enumerate(slots)]
+
+    def _read_run(self, run: Run, layer_of: dict[int, int]) -> list[tuple[int, int, float, int]]:
+        """One read of `plan_reads` (`layer_of` maps its store layers to layers): (layer, bytes,
+        seconds, 0) for each layer it reads, the seconds shared by bytes (a layer's experts are
+        counted once all its runs are read)."""
         start = time.perf_counter()
-        dest = self.layer_pool[layer].layer_destination(layer, slots)
-        if dest is not None:
-            nbytes = self.store.read_layer(self.store_layer[layer], dest)
-            if nbytes is not None:
-                return [(nbytes, time.perf_counter() - start, len(slots))]
-        return [(*self.read(layer, e, s), 1) for e, s in enumerate(slots)]
+        self.store.read_run(run)
+        seconds = time.perf_counter() - start
+        nbytes: dict[int, int] = {}
+        for _, store_layer, _, buf in run.pieces:
+            layer = layer_of[store_layer]
+            nbytes[layer] = nbytes.get(layer, 0) + len(buf)
+        total = sum(nbytes.values())
+        return [(layer, n, seconds * n / total, 0) for layer, n in nbytes.items()]
 
     def slot_map(self, layer: int) -> np.ndarray:
         """The slot of every expert of `layer` (-1: not resident)."""

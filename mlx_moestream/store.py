@@ -14,8 +14,9 @@ import struct
 import threading
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -38,8 +39,14 @@ PER_EXPERT_NAMES = {
 
 
 REPACK_DIR = "moestream-experts"
-# A whole stacked tensor is read in pieces of at most this: macOS fails reads past 2 GiB.
-READ_CHUNK_BYTES = 2**30
+# Reading every expert at load (`plan_reads`): one read covers at most this many bytes (macOS
+# fails reads past 2 GiB, and several reads let several threads share a file), and a gap of
+# other tensors between two expert tensors is read into scratch, not skipped, up to this many
+# bytes: a separate read costs a device round trip, worth a few hundred KB at disk speed.
+READ_RUN_BYTES = 8 * 2**20
+READ_GAP_BYTES = 256 * 2**10
+# buffers one preadv takes (Linux and macOS: 1024)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
 REPACK_SCHEMA = "mlx-moestream-repack"
 
 
@@ -197,6 +204,25 @@ def read_manifest(folder: Path, files: list[Path]) -> dict:
 
 
 @dataclass
+class Run:
+    """One read of a full-budget load: a span of one file holding expert tensors (or pieces of
+    them) that land in their buffers, and small gaps between them that land in scratch."""
+
+    file: int
+    offset: int
+    nbytes: int = 0  # the span, gaps included
+    # (offset, store layer, tensor name, buffer) of each piece, in file order
+    pieces: list[tuple[int, int, str, memoryview]] = field(default_factory=list)
+
+    def where(self, byte: int) -> str:
+        """What a read that failed at absolute `byte` was reading."""
+        for offset, layer, name, buf in self.pieces:
+            if byte < offset + len(buf):
+                return f"'{name}' of layer {layer}"
+        return "expert tensors"
+
+
+@dataclass
 class ExpertTensor:
     """One per-expert tensor of a layer (e.g. `gate_proj.weight`): where expert e's bytes are."""
 
@@ -204,6 +230,7 @@ class ExpertTensor:
     files: np.ndarray  # [num_experts] index into ExpertStore.files
     offsets: np.ndarray  # [num_experts] absolute byte offsets
     nbytes: int
+    stacked: bool = False  # the experts follow each other in one file (a stacked tensor)
 
 
 class ExpertStore:
@@ -273,7 +300,7 @@ class ExpertStore:
             self.verified.append(None)
         if share is not None:
             part = slice(share.start, share.stop)
-            located = [ExpertTensor(t.name, t.files[part], t.offsets[part], t.nbytes)
+            located = [ExpertTensor(t.name, t.files[part], t.offsets[part], t.nbytes, t.stacked)
                        for t in located]
             for per_expert in (self.checksums, self.verified):
                 if per_expert[-1] is not None:
@@ -297,7 +324,7 @@ class ExpertStore:
                     f"{list(stacked.shape)}, expected {[num_experts, *shape]}"
                 )
             offsets = stacked.offset + nbytes * np.arange(num_experts, dtype=np.int64)
-            return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes)
+            return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes, True)
         proj, param = name.split(".", 1)
         for alias in PER_EXPERT_NAMES.get(proj, (proj,)):
             keys = [f"{parent}.experts.{e}.{alias}.{param}" for e in range(num_experts)]
@@ -366,28 +393,58 @@ class ExpertStore:
             self._verify(layer, expert, dest)
         return nbytes
 
-    def read_layer(self, layer: int, dest: dict[str, np.ndarray]) -> int | None:
-        """Read every expert of a layer into `dest` ([experts, ...] buffers, one per tensor)
-        with one read per tensor, when each tensor holds its experts contiguously in one file
-        (stacked checkpoints); None, reading nothing, when it does not (per-expert checkpoints
-        and repacked copies read expert by expert)."""
-        tensors = self.layers[layer]
-        if self.blocks[layer] is not None or not all(
-                (t.files == t.files[0]).all() and (np.diff(t.offsets) == t.nbytes).all()
-                for t in tensors):
-            return None
+    def expert_major(self, layer: int) -> bool:
+        """Whether `layer` is read from the repacked copy (expert by expert, direct I/O)."""
+        return self.blocks[layer] is not None
+
+    def plan_reads(self, dests: dict[int, dict[str, np.ndarray]]) -> list[Run]:
+        """Reads of every expert of the layers in `dests` (store layer -> its [experts, ...]
+        buffers, one per tensor; not `expert_major` ones) in file order: as few and as large as
+        `READ_RUN_BYTES`, `READ_GAP_BYTES` and `IOV_MAX` allow. A stacked tensor is one piece,
+        a per-expert checkpoint's tensors one each; checkpoints place tensors in any order, so
+        a layer's are scattered among other layers' and dense ones."""
+        pieces = []
+        for layer, dest in dests.items():
+            for t in self.layers[layer]:
+                whole = memoryview(dest[t.name]).cast("B")
+                if t.stacked:
+                    parts = [(int(t.files[0]), int(t.offsets[0]), whole)]
+                else:
+                    parts = [(int(f), int(o), whole[e * t.nbytes : (e + 1) * t.nbytes])
+                             for e, (f, o) in enumerate(zip(t.files, t.offsets))]
+                for file, offset, buf in parts:
+                    for at in range(0, len(buf), READ_RUN_BYTES):  # larger than a run: cut
+                        pieces.append((file, offset + at, layer, t.name,
+                                       buf[at : at + READ_RUN_BYTES]))
+        pieces.sort(key=lambda p: p[:2])
+        runs: list[Run] = []
+        for file, offset, layer, name, buf in pieces:
+            run = runs[-1] if runs else None
+            if (run is None or run.file != file
+                    or not 0 <= offset - (run.offset + run.nbytes) <= READ_GAP_BYTES
+                    or offset + len(buf) - run.offset > READ_RUN_BYTES
+                    or 2 * len(run.pieces) + 2 > IOV_MAX):  # a piece and a gap each
+                run = Run(file, offset)
+                runs.append(run)
+            run.pieces.append((offset, layer, name, buf))
+            run.nbytes = offset + len(buf) - run.offset
+        return runs
+
+    def read_run(self, run: Run) -> None:
+        """One read of `plan_reads`: the pieces into their buffers, the gaps into scratch."""
         self.open()
-        total = 0
-        for t in sorted(tensors, key=lambda t: int(t.offsets[0])):
-            nbytes = t.nbytes * len(t.offsets)
-            where = f"'{t.name}' of layer {layer} experts 0-{len(t.offsets) - 1}"
-            buf = memoryview(dest[t.name]).cast("B")
-            for at in range(0, nbytes, READ_CHUNK_BYTES):
-                size = min(READ_CHUNK_BYTES, nbytes - at)
-                self._read_run(int(t.files[0]), int(t.offsets[0]) + at, [buf[at : at + size]],
-                               size, where)
-            total += nbytes
-        return total
+        bufs, at, scratch = [], run.offset, None
+        for offset, _, _, buf in run.pieces:
+            if offset > at:
+                scratch = scratch or memoryview(bytearray(READ_GAP_BYTES))
+                bufs.append(scratch[: offset - at])
+            bufs.append(buf)
+            at = offset + len(buf)
+        self._read_run(run.file, run.offset, bufs, run.nbytes, run.where, drop=False)
+        if self.drop_page_cache and hasattr(os, "posix_fadvise"):  # the gaps' pages stay: they
+            fd = self._fds[run.file]  # hold dense weights, which the model reads next
+            for offset, _, _, buf in run.pieces:
+                os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
 
     def _verify(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> None:
         """A repacked expert's first read in a session is checked against the crc32 recorded
@@ -453,8 +510,11 @@ class ExpertStore:
             view.reshape(-1).view(np.uint8)[:] = block[at:at + t.nbytes]
         return total
 
-    def _read_run(self, file: int, offset: int, bufs: list[memoryview], nbytes: int, where: str,
-                  fd: int | None = None):
+    def _read_run(self, file: int, offset: int, bufs: list[memoryview], nbytes: int,
+                  where: str | Callable[[int], str], fd: int | None = None, drop: bool = True):
+        """Read `nbytes` at `offset` into `bufs`; `where` names what is read (or, called with
+        the byte a read failed at, returns the name) for errors. `drop`: drop the pages read
+        from the page cache (when the store does)."""
         direct = fd is not None
         fd = fd if direct else self._fds[file]
         got = 0
@@ -466,7 +526,8 @@ class ExpertStore:
             else:
                 why = "unexpected end of file"
             if n == 0:
-                raise StoreError(f"{self.files[file]}: cannot read {where} at byte {offset + got}: {why}")
+                what = where if isinstance(where, str) else where(offset + got)
+                raise StoreError(f"{self.files[file]}: cannot read {what} at byte {offset + got}: {why}")
             got += n
             while bufs and n >= len(bufs[0]):  # drop what is filled, keep the rest of a partial
                 n -= len(bufs[0])
@@ -475,9 +536,10 @@ class ExpertStore:
                 bufs = [bufs[0][n:], *bufs[1:]]
         stat = os.fstat(fd)  # after the read: an in-place rewrite before or during it shows
         if (stat.st_size, stat.st_mtime_ns) != self.identity[file]:
+            what = where if isinstance(where, str) else where(offset)
             raise StoreError(
                 f"{self.files[file]}: changed on disk since the model was loaded (size or "
-                f"modification time), so {where} cannot be trusted: load the model again"
+                f"modification time), so {what} cannot be trusted: load the model again"
             )
-        if self.drop_page_cache and not direct and hasattr(os, "posix_fadvise"):
+        if drop and self.drop_page_cache and not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)

@@ -48,10 +48,11 @@ def test_sharded_model_indexes_every_shard(tiny_model):
     assert "model.layers.1.mlp.switch_mlp.down_proj.weight" in store.tensors
 
 
-def test_a_whole_layer_read_in_small_pieces_equals_the_expert_reads(tiny_model, monkeypatch):
+def test_a_full_budget_load_read_in_small_runs_equals_the_expert_reads(tiny_model, monkeypatch):
     from mlx_moestream import store as store_module
 
-    monkeypatch.setattr(store_module, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(store_module, "READ_RUN_BYTES", 4096)  # tensors cut in pieces
+    monkeypatch.setattr(store_module, "IOV_MAX", 4)  # at most two pieces a read
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="100%")
     runtime = model.moestream
     pool = runtime.pools[0]
@@ -64,3 +65,25 @@ def test_a_whole_layer_read_in_small_pieces_equals_the_expert_reads(tiny_model, 
             assert all(np.array_equal(want[n], got[n]) for n in want)
             for n, v in saved.items():
                 got[n][...] = v
+
+
+def test_a_full_budget_load_reads_a_small_model_in_one_read_in_file_order(tiny_model):
+    store = ExpertStore(tiny_model("qwen3_moe"))
+    dests = {}
+    for prefix in sorted({k.rsplit(".", 2)[0] for k in store.tensors if ".switch_mlp." in k}):
+        tensors = {k[len(prefix) + 1:]: t for k, t in store.tensors.items()
+                   if k.startswith(prefix + ".")}
+        experts = next(iter(tensors.values())).shape[0]
+        layer = store.add_layer(prefix, {n: (t.shape[1:], t.nbytes // experts)
+                                         for n, t in tensors.items()}, experts)
+        dests[layer] = {n: np.zeros(t.nbytes, np.uint8) for n, t in tensors.items()}
+    (run,) = store.plan_reads(dests)  # the dense tensors between them are read through
+    offsets = [piece[0] for piece in run.pieces]
+    assert offsets == sorted(offsets) and len(offsets) == sum(len(d) for d in dests.values())
+    store.read_run(run)
+    with open(store.files[0], "rb") as f:
+        data = f.read()
+    for layer, dest in dests.items():
+        for t in store.layers[layer]:
+            start = int(t.offsets[0])
+            assert dest[t.name].tobytes() == data[start : start + dest[t.name].nbytes]

@@ -33,10 +33,11 @@ def test_logits_match_stock_mlx_lm_bit_for_bit(tiny_model, reference, arch, bits
         assert stats["evictions"] > 0
 
 
+@pytest.mark.parametrize("budget", ["25%", "100%"])  # 100%: every expert read at load
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_per_expert_hugging_face_layout_streams_exactly(tiny_model, reference, arch):
+def test_per_expert_hugging_face_layout_streams_exactly(tiny_model, reference, arch, budget):
     stacked = tiny_model(arch)
-    model, _ = mlx_moestream.load(tiny_model(arch, layout="per_expert"), budget="25%")
+    model, _ = mlx_moestream.load(tiny_model(arch, layout="per_expert"), budget=budget)
     assert all(mx.array_equal(a, b).item()
                for a, b in zip(greedy_logits(model), reference(stacked)))
 
