@@ -116,8 +116,9 @@ class StreamingExperts(nn.Module):
         # One thread's call at a time, computed before the next may reuse its slots: threads
         # sharing the model interleave whole layer calls.
         with runtime.lock:
-            prefetch = runtime.prefetch
-            if prefetch and self.next_router is not None and prefetch.wanted(self.layer):
+            prefetch = runtime.prefetch  # one-token calls predict (see `prefetch`)
+            if (prefetch and self.next_router is not None and indices.size == indices.shape[-1]
+                    and prefetch.wanted(self.layer)):
                 k = runtime.plan.top_k
                 picks = mx.argpartition(-self.next_router(x), kth=k - 1, axis=-1)[..., :k]
                 mx.eval(indices, picks)  # one host sync for the routing and the prediction
@@ -127,6 +128,11 @@ class StreamingExperts(nn.Module):
             ids = np.array(indices)  # host sync: the routing decides what must be read
             runtime.count_sync()
             runtime.settle()  # the previous call's output (see the module docstring)
+            if ids.size > ids.shape[-1]:  # several tokens: compute while the misses are read
+                chunks = runtime.route_chunks(self.layer, ids)
+                y = self._in_rounds(x, ids) if chunks is None else self._in_chunks(x, ids, chunks)
+                self.in_flight.add(y)
+                return y
             slots = runtime.route(self.layer, ids)
             if slots is None:
                 return self._in_rounds(x, ids)
@@ -138,18 +144,36 @@ class StreamingExperts(nn.Module):
 
     def _in_rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
         """More distinct experts than the layer may hold: compute them a slot pool at a time."""
-        k, rows = ids.shape[-1], x.reshape(-1, x.shape[-1])
-        outs, positions = [], []
+        outs = []
         for pos, slots in self.runtime.rounds(self.layer, ids):
-            y = self.inner(rows[mx.array(pos // k)], mx.array(slots[:, None]))[:, 0]
-            mx.eval(y)  # the next round may overwrite these slots
-            outs.append(y)
-            positions.append(pos)
-        order = np.concatenate(positions)
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        y = mx.concatenate(outs)[mx.array(inverse)]
-        return y.reshape(*ids.shape, y.shape[-1])
+            outs.append((pos, self._rows(x, ids, pos, slots)))
+            mx.eval(outs[-1][1])  # the next round may overwrite these slots
+        return _gathered(outs, ids.shape)
+
+    def _in_chunks(self, x: mx.array, ids: np.ndarray, chunks) -> mx.array:
+        """A call whose experts all have slots, computed chunk by chunk as `route_chunks`
+        makes them resident: each chunk computes while the next is read."""
+        outs = []
+        for pos, slots in chunks:
+            if pos is None:  # the whole call at once
+                return self.inner(x, mx.array(slots))
+            outs.append((pos, self._rows(x, ids, pos, slots)))
+            mx.async_eval(outs[-1][1])
+        return _gathered(outs, ids.shape)
+
+    def _rows(self, x: mx.array, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> mx.array:
+        """The outputs of the flat (token, k) positions `pos`, whose experts are in `slots`."""
+        rows = x.reshape(-1, x.shape[-1])[mx.array(pos // ids.shape[-1])]
+        return self.inner(rows, mx.array(slots[:, None]))[:, 0]
+
+
+def _gathered(outs: list[tuple[np.ndarray, mx.array]], shape: tuple[int, ...]) -> mx.array:
+    """One call's output [..., k, hidden] from the outputs of its parts: (flat positions, rows)."""
+    order = np.concatenate([pos for pos, _ in outs])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    y = mx.concatenate([y for _, y in outs])[mx.array(inverse)]
+    return y.reshape(*shape, y.shape[-1])
 
 
 class InFlight:

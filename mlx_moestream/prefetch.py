@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 # Prefetch reads ahead for a layer only while at least this share of its predicted misses (the
 # predicted experts that were not resident: what a prefetch reads) turn out routed, once this
 # many have been scored; the tally halves past 16x that, so it follows a changing workload. Only
-# one-token calls are tallied: a prompt's prediction names the experts of many tokens at once,
-# routed far more often than a decode step's, and would keep reading ahead where it never pays.
+# one-token calls predict: a prompt's misses are read while it computes (`route_chunks`), and
+# its prediction, naming the experts of many tokens at once, would say little of a decode step's.
 PREFETCH_MIN_USEFUL = 0.25
 PREFETCH_WARMUP = 16
 PREFETCH_PROBE = 8  # while it does not pay, a layer is predicted on one token in this many
@@ -91,20 +91,19 @@ class Prefetch:
         self.reads = []
         stats.stall_seconds[layer] += time.perf_counter() - start
 
-    def score(self, layer: int, experts: np.ndarray, tally: bool) -> None:
-        """Count how the prediction for this call did; `tally` (one-token calls) also feeds the
-        gate of `pays`."""
+    def score(self, layer: int, experts: np.ndarray) -> None:
+        """Count how the prediction for this call did, for the statistics and the gate of
+        `pays`."""
         predicted = self.predictions.pop(layer, None)
         if predicted is None:
             return
         routed = set(experts.tolist())
         misses = self.predicted_misses.pop(layer, set())  # unset if Ctrl-C fell in between
-        if tally:
-            self.gate_predicted[layer] += len(misses)
-            self.gate_routed[layer] += len(misses & routed)
-            if self.gate_predicted[layer] > 16 * PREFETCH_WARMUP:
-                self.gate_predicted[layer] /= 2
-                self.gate_routed[layer] /= 2
+        self.gate_predicted[layer] += len(misses)
+        self.gate_routed[layer] += len(misses & routed)
+        if self.gate_predicted[layer] > 16 * PREFETCH_WARMUP:
+            self.gate_predicted[layer] /= 2
+            self.gate_routed[layer] /= 2
         stats = self.runtime.stats
         stats.predicted[layer] += len(predicted)
         stats.routed_scored[layer] += len(routed)

@@ -29,6 +29,11 @@ from .stats import Stats, ratio
 from .store import ExpertStore, Run, StoreError
 
 
+# A call of many tokens reads its misses in at most this many groups (of at least top-k
+# experts), computing each group once read while the next ones are read (`route_chunks`).
+PIPELINE_CHUNKS = 16
+
+
 class SlotPool:
     """[num_slots, ...] buffers, one per expert tensor, shared by the layers of one expert shape.
     `views` are host (numpy) views of the memory the backend computes from: reads land there.
@@ -94,6 +99,7 @@ class Runtime:
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
+        self.unfinished: list[tuple[int, list]] = []  # (layer, reads) `route_chunks` started
         # a backend that counts routing after the fact (all experts resident) flushes it here
         self.count_deferred: Callable[[], None] = lambda: None
         # a backend whose compute may still read slots when a call returns waits for it here
@@ -159,29 +165,88 @@ class Runtime:
         the slots (`compute=False`: it counts a call made without them), which then counts
         its tokens alone."""
         with CRITICAL:
-            if self.prefetch and self.prefetch.reads:
-                self.prefetch.wait(layer)
-            if layer == 0:
-                tokens = ids.size // ids.shape[-1]
-                self.stats.tick(tokens)
-                for cache in self.caches:
-                    cache.tick(tokens)
-            if self.recorder is not None:
-                num = self.plan.layers[layer].num_experts
-                self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
-            routed, ids = self._unmasked(layer, ids)
-            if not routed.size and not compute:
+            admitted = self._admit(layer, ids, compute)
+            if admitted is None:
                 return None
-            self.stats.route(layer, routed)
-            experts = np.unique(ids)  # routed ones; expert 0 where the call masked every id
-            if self.prefetch:
-                self.prefetch.score(layer, experts, tally=ids.size == ids.shape[-1])
-            if len(experts) > self.capacity(layer):
-                return None
+            experts, ids = admitted
             slots = self._request(layer, experts, ids)
-            if self.prefetch:
-                self.prefetch.reading = set((layer * self.plan.num_experts + experts).tolist())
+            self._reading(layer, experts)
             return slots
+
+    def route_chunks(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray | None,
+                                                                          np.ndarray]] | None:
+        """`route` for a call of many tokens, whose misses take long to read: None when it does
+        not fit (compute it by `rounds`), else the call chunk by chunk, each as soon as its
+        experts are resident: (positions in the flat ids, their slots), positions None for the
+        whole call (slots then shaped as `ids`). The resident experts come first, then the
+        misses in file order, `PIPELINE_CHUNKS` groups at most, all read at once: the caller
+        computes a chunk (without waiting for it) while the next ones are read."""
+        with CRITICAL:
+            admitted = self._admit(layer, ids, True)
+            if admitted is None:
+                return None
+            experts, ids = admitted
+            cache = self.layer_cache[layer]
+            loads, hits, evicted = cache.request(layer, experts)
+            self.stats.count_request(layer, hits, len(loads))
+            if evicted:
+                self.evicted(evicted)
+            self._reading(layer, experts)
+            size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
+            reads = [(e, self.io.submit(self.read, layer, e, s).result) for e, s in loads]
+            groups = [reads[i : i + size] for i in range(0, len(reads), size)]
+            self.unfinished += [(layer, group) for group in groups]
+            slots = cache.slots(layer, ids)
+        return self._chunks(layer, ids, slots, groups)
+
+    def _chunks(self, layer: int, ids: np.ndarray, slots: np.ndarray, groups: list[list]
+                ) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
+        if not groups:
+            yield None, slots
+            return
+        flat, flat_slots = ids.reshape(-1), slots.reshape(-1)
+        read = np.isin(flat, [e for group in groups for e, _ in group])
+        if not read.all():
+            positions = np.flatnonzero(~read)
+            yield positions, flat_slots[positions]
+        for group in groups:
+            experts = [e for e, _ in group]
+            self._finish_unfinished(until=group)
+            positions = np.flatnonzero(np.isin(flat, experts))
+            yield positions, flat_slots[positions]
+
+    def _admit(self, layer: int, ids: np.ndarray, compute: bool
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+        """What every call does before its experts are made resident (see `route`): finish
+        reads in flight, count, record, mask. Returns (distinct experts, ids), or None when the
+        call must be computed by `rounds` or computes nothing."""
+        if self.prefetch and self.prefetch.reads:
+            self.prefetch.wait(layer)
+        if self.unfinished:
+            self._finish_unfinished()
+        if layer == 0:
+            tokens = ids.size // ids.shape[-1]
+            self.stats.tick(tokens)
+            for cache in self.caches:
+                cache.tick(tokens)
+        if self.recorder is not None:
+            num = self.plan.layers[layer].num_experts
+            self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
+        routed, ids = self._unmasked(layer, ids)
+        if not routed.size and not compute:
+            return None
+        self.stats.route(layer, routed)
+        experts = np.unique(ids)  # routed ones; expert 0 where the call masked every id
+        if self.prefetch:
+            self.prefetch.score(layer, experts)
+        if len(experts) > self.capacity(layer):
+            return None
+        return experts, ids
+
+    def _reading(self, layer: int, experts: np.ndarray) -> None:
+        """A prefetch must not evict the experts of the call about to compute."""
+        if self.prefetch:
+            self.prefetch.reading = set((layer * self.plan.num_experts + experts).tolist())
 
     def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
@@ -258,21 +323,50 @@ class Runtime:
 
     def _load(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Read the missing experts of a call, concurrently when there are several."""
-        start = time.perf_counter()
-        reads = [partial(self.read, layer, e, s) for e, s in loads]
+        reads = [(e, partial(self.read, layer, e, s)) for e, s in loads]
         if len(reads) > 1:
-            reads = [self.io.submit(read).result for read in reads]
-        failed = None
-        for (expert, _), read in zip(loads, reads):
+            reads = [(e, self.io.submit(read).result) for e, read in reads]
+        self._finish(layer, reads)
+
+    def _finish(self, layer: int, reads: list[tuple[int, Callable]]) -> None:
+        """Wait for (or make) the reads of `layer`'s experts, `(expert, read)` each, counting
+        each as it ends (and taking it off `reads`); a failed one is forgotten, and the first
+        failure raised once all have ended."""
+        start, failed = time.perf_counter(), None
+        while reads:
+            expert, read = reads[0]
             try:
                 self.count_read(layer, *read())
             except StoreError as e:
                 self.forget(layer, expert)
                 failed = failed or e
+            reads.pop(0)
         self.stats.stall_seconds[layer] += time.perf_counter() - start
         if failed:
             self.stats.read_errors += 1
             raise failed
+
+    def _finish_unfinished(self, until: list | None = None) -> None:
+        """Finish the reads `route_chunks` started, in order, up to and including the group
+        `until` (all of them by default; a chunked call left before its end, by an error or
+        Ctrl-C, is finished by the next call). A failure finishes every one before it is
+        raised: no read may land in a slot after it was given to another expert."""
+        try:
+            while self.unfinished:
+                layer, group = self.unfinished[0]
+                self._finish(layer, group)
+                self.unfinished.pop(0)
+                if group is until:
+                    return
+        except StoreError:
+            self.unfinished.pop(0)
+            for layer, group in self.unfinished:
+                try:
+                    self._finish(layer, group)
+                except StoreError:
+                    pass
+            self.unfinished = []
+            raise
 
     def read_all(self, progress=None) -> None:
         """When every expert has a slot (`holds_all`), read them all now, as stock mlx-lm reads

@@ -259,3 +259,36 @@ def test_a_shard_rewritten_in_place_mid_session_fails_every_later_read(model_cop
     with pytest.raises(StoreError, match="changed on disk"):
         mx.eval(experts(x, mx.array([[[7, 7]]])))
     assert model.moestream.slot_map(1)[7] == -1
+
+
+def test_a_read_failing_in_a_prompt_fails_it_once_every_read_has_ended_and_the_next_is_exact(
+        model_copy, monkeypatch):
+    import errno
+    import os
+
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlx_moestream.testing import PROMPT_IDS
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget="50%")
+    runtime = model.moestream
+    expert_0 = int(runtime.store.layers[1][0].offsets[0])
+    preadv = os.preadv
+
+    def failing_at_expert_0(fd, bufs, offset):  # the first of a prompt's many reads of layer 1
+        if offset == expert_0:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", failing_at_expert_0)
+    prompt = mx.array(PROMPT_IDS)
+    with pytest.raises(StoreError, match=r"cannot read '.*' of layer 1 expert 0 at byte \d+"):
+        mx.eval(model(prompt))
+    stats = runtime.stats  # every other read of the prompt ended, and counted, before it
+    assert not runtime.unfinished and stats.loads[1] == stats.misses[1] - 1 > 0
+    assert runtime.slot_map(1)[0] < 0  # the failed expert holds no slot
+    monkeypatch.undo()
+    stock, _ = mlx_lm.load(str(path))
+    assert mx.array_equal(model(prompt), stock(prompt)).item()

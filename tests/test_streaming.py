@@ -1,7 +1,10 @@
 """The streaming forward pass is exact: logits equal stock mlx-lm's bit for bit."""
 
+import threading
+
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -198,12 +201,11 @@ def test_prefetch_stops_reading_for_layers_whose_predictions_miss(tiny_model, mo
     assert stats.prefetch_loads.sum() == loads  # but reading nothing ahead
 
 
-def test_only_one_token_calls_decide_whether_prefetch_pays(tiny_model):
+def test_only_one_token_calls_predict(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
     runtime, cache = model.moestream, make_prompt_cache(model)
     mx.eval(model(PROMPT[:, :3], cache=cache))  # a prompt whose experts fit the budget
-    assert runtime.stats.predicted.sum() > 0  # the prompt's predictions are scored,
-    assert runtime.prefetch.gate_predicted.sum() == 0  # but not tallied for the gate
+    assert runtime.stats.predicted.sum() == 0  # its misses are read while it computes
     token = mx.array([[1]])
     for _ in range(8):
         token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1)[:, None]
@@ -251,3 +253,24 @@ def test_teacher_forced_tokens_without_eval_between_them_stay_exact(tiny_model, 
     expected = logits(stock)
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)
     assert all(mx.array_equal(a, b).item() for a, b in zip(expected, logits(model)))
+
+
+def test_a_prompt_computes_its_resident_experts_while_its_misses_are_read(tiny_model,
+                                                                          monkeypatch):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="50%")
+    runtime = model.moestream
+    runtime.route(0, np.array([[[0, 1]]]))  # experts 0 and 1 of layer 0 resident
+    gate, read = threading.Event(), runtime.read
+
+    def held_back(layer, expert, slot):
+        if expert == 5:
+            assert gate.wait(10)
+        return read(layer, expert, slot)
+
+    monkeypatch.setattr(runtime, "read", held_back)
+    ids = np.array([[[0, 5], [1, 6]]])  # a prompt of two tokens
+    chunks = runtime.route_chunks(0, ids)
+    positions, _ = next(chunks)  # while expert 5 is still being read
+    assert not gate.is_set() and sorted(ids.reshape(-1)[positions]) == [0, 1]
+    gate.set()
+    assert sorted(e for positions, _ in chunks for e in ids.reshape(-1)[positions]) == [5, 6]
