@@ -34,10 +34,16 @@ import mlx_moestream  # noqa: E402
 from bench_decode import build_model, drop_page_cache, model_files  # noqa: E402
 
 
-def first_token(model, prompt: mx.array) -> tuple[int, float]:
-    """The first greedy token after `prompt`, and the seconds it took."""
+def first_token(model, prompt: mx.array, forward: bool = False) -> tuple[int, float]:
+    """The first greedy token after `prompt`, and the seconds it took: by `generate_step`, or,
+    with `forward`, by one forward call over the whole prompt whose logits are all evaluated."""
     start = time.perf_counter()
-    token, _ = next(generate_step(prompt, model, max_tokens=1))
+    if forward:
+        logits = model(prompt[None])
+        mx.eval(logits)
+        token = mx.argmax(logits[0, -1]).item()
+    else:
+        token, _ = next(generate_step(prompt, model, max_tokens=1))
     return int(token), time.perf_counter() - start
 
 
@@ -54,15 +60,20 @@ def counters(model) -> dict:
 @click.option("--prompt-tokens", default=512, show_default=True)
 @click.option("--budgets", default="50,25", show_default=True, help="Percentages.")
 @click.option("--repeats", default=3, show_default=True)
-def main(model_dir: Path, layers: int, prompt_tokens: int, budgets: str, repeats: int) -> None:
+@click.option("--forward", is_flag=True,
+              help="Time one forward call with every logit evaluated, not generate_step (which "
+                   "evaluates only the KV cache of all but the last prompt token, so MLX skips "
+                   "the last layer's MoE for them: see docs/benchmarks.md).")
+def main(model_dir: Path, layers: int, prompt_tokens: int, budgets: str, repeats: int,
+         forward: bool) -> None:
     shape = {"layers": layers, "hidden": 2048, "experts": 128, "top_k": 8,
              "moe_intermediate": 768, "bits": 4}
     path = build_model(model_dir, shape)
     prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_tokens))
     load = os.getloadavg()[0]
     stock, _ = mlx_lm.load(str(path))
-    first_token(stock, prompt[:64])  # warm-up
-    runs = [first_token(stock, prompt) for _ in range(repeats)]
+    first_token(stock, prompt[:64], forward)  # warm-up
+    runs = [first_token(stock, prompt, forward) for _ in range(repeats)]
     expected, stock_s = runs[0][0], statistics.median(t for _, t in runs)
     del stock
     gc.collect()
@@ -73,7 +84,7 @@ def main(model_dir: Path, layers: int, prompt_tokens: int, budgets: str, repeats
             for file in model_files(path):
                 drop_page_cache(file)
             model, _ = mlx_moestream.load(path, budget=f"{budget:g}%")
-            token, seconds = first_token(model, prompt)
+            token, seconds = first_token(model, prompt, forward)
             times.append(seconds)
             stats = counters(model)
             if token != expected:
@@ -86,6 +97,7 @@ def main(model_dir: Path, layers: int, prompt_tokens: int, budgets: str, repeats
                         "ratio": round(seconds / stock_s, 3), "first_prompt_stats": stats})
     click.echo(json.dumps({
         "model": shape, "prompt_tokens": prompt_tokens, "repeats": repeats,
+        "timed": "forward" if forward else "generate_step",
         "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
         "stock_seconds": round(stock_s, 3), "budgets": results,
     }, indent=1))
