@@ -116,29 +116,29 @@ class StreamingExperts(nn.Module):
         # One thread's call at a time, computed before the next may reuse its slots: threads
         # sharing the model interleave whole layer calls.
         with runtime.lock:
-            prefetch = runtime.prefetch  # one-token calls predict (see `prefetch`)
-            if (prefetch and self.next_router is not None and indices.size == indices.shape[-1]
+            prefetch, one_token = runtime.prefetch, indices.size == indices.shape[-1]
+            predicted = None  # one-token calls predict (see `prefetch`)
+            if (prefetch and one_token and self.next_router is not None
                     and prefetch.wanted(self.layer)):
                 k = runtime.plan.top_k
                 picks = mx.argpartition(-self.next_router(x), kth=k - 1, axis=-1)[..., :k]
                 mx.eval(indices, picks)  # one host sync for the routing and the prediction
                 predicted = np.unique(np.array(picks))
-            else:
-                predicted = None
             ids = np.array(indices)  # host sync: the routing decides what must be read
             runtime.count_sync()
             runtime.settle()  # the previous call's output (see the module docstring)
-            if ids.size > ids.shape[-1]:  # several tokens: compute while the misses are read
+            if one_token:
+                slots = runtime.route(self.layer, ids)
+                if slots is None:
+                    return self._in_rounds(x, ids)
+                if predicted is not None:  # read while this call computes
+                    prefetch.after(self.layer, predicted)
+                y = self.inner(x, mx.array(slots))
+            else:  # several tokens: compute while the misses are read
                 chunks = runtime.route_chunks(self.layer, ids)
-                y = self._in_rounds(x, ids) if chunks is None else self._in_chunks(x, ids, chunks)
-                self.in_flight.add(y)
-                return y
-            slots = runtime.route(self.layer, ids)
-            if slots is None:
-                return self._in_rounds(x, ids)
-            if predicted is not None:  # read while this call computes
-                prefetch.after(self.layer, predicted)
-            y = self.inner(x, mx.array(slots))
+                if chunks is None:
+                    return self._in_rounds(x, ids)
+                y = self._in_chunks(x, ids, chunks)
             self.in_flight.add(y)
             return y
 
@@ -177,20 +177,21 @@ def _gathered(outs: list[tuple[np.ndarray, mx.array]], shape: tuple[int, ...]) -
 
 
 class InFlight:
-    """Expert outputs scheduled but perhaps not computed yet: they read slots, so nothing may
-    be read into a slot until they are done (`wait`, the runtime's `settle`)."""
+    """The latest call's expert output, scheduled but perhaps not computed yet: it reads slots,
+    so nothing may be read into a slot until it is done (`wait`, the runtime's `settle`, which
+    every call makes before `add`)."""
 
     def __init__(self):
-        self.outputs: list[mx.array] = []
+        self.output: mx.array | None = None
 
     def add(self, y: mx.array) -> None:
         mx.async_eval(y)
-        self.outputs.append(y)
+        self.output = y
 
     def wait(self) -> None:
-        if self.outputs:
-            mx.eval(self.outputs)
-            self.outputs = []
+        if self.output is not None:
+            mx.eval(self.output)
+            self.output = None
 
 
 class ResidentExperts(nn.Module):

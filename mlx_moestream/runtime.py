@@ -186,21 +186,18 @@ class Runtime:
             if admitted is None:
                 return None
             experts, ids = admitted
-            cache = self.layer_cache[layer]
-            loads, hits, evicted = cache.request(layer, experts)
-            self.stats.count_request(layer, hits, len(loads))
-            if evicted:
-                self.evicted(evicted)
+            loads = self._decide(layer, experts)
             self._reading(layer, experts)
             size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
             reads = [(e, self.io.submit(self.read, layer, e, s).result) for e, s in loads]
             groups = [reads[i : i + size] for i in range(0, len(reads), size)]
             self.unfinished += [(layer, group) for group in groups]
-            slots = cache.slots(layer, ids)
-        return self._chunks(layer, ids, slots, groups)
+            slots = self.layer_cache[layer].slots(layer, ids)
+        return self._chunks(ids, slots, groups)
 
-    def _chunks(self, layer: int, ids: np.ndarray, slots: np.ndarray, groups: list[list]
+    def _chunks(self, ids: np.ndarray, slots: np.ndarray, groups: list[list]
                 ) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
+        """`route_chunks`' chunks: the resident experts', then each group's once read."""
         if not groups:
             yield None, slots
             return
@@ -210,7 +207,7 @@ class Runtime:
             positions = np.flatnonzero(~read)
             yield positions, flat_slots[positions]
         for group in groups:
-            experts = [e for e, _ in group]
+            experts = [e for e, _ in group]  # before finishing, which empties the group
             self._finish_unfinished(until=group)
             positions = np.flatnonzero(np.isin(flat, experts))
             yield positions, flat_slots[positions]
@@ -279,14 +276,19 @@ class Runtime:
     def _request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`).
         Callers hold CRITICAL: no decision without its load."""
-        cache = self.layer_cache[layer]
-        loads, hits, evicted = cache.request(layer, experts)
+        loads = self._decide(layer, experts)
+        if loads:
+            self._load(layer, loads)
+        return self.layer_cache[layer].slots(layer, ids)
+
+    def _decide(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]]:
+        """The cache's decision for a call's distinct `experts`, counted, its victims released:
+        returns the (expert, slot) reads it needs."""
+        loads, hits, evicted = self.layer_cache[layer].request(layer, experts)
         self.stats.count_request(layer, hits, len(loads))
         if evicted:
             self.evicted(evicted)
-        if loads:
-            self._load(layer, loads)
-        return cache.slots(layer, ids)
+        return loads
 
     def evicted(self, keys: list[int]) -> None:
         """Count the cache's victims (`layer * num_experts + expert`) and release them."""

@@ -436,7 +436,8 @@ class ExpertStore:
         bufs, at, scratch = [], run.offset, None
         for offset, _, _, buf in run.pieces:
             if offset > at:
-                scratch = scratch or memoryview(bytearray(READ_GAP_BYTES))
+                if scratch is None:
+                    scratch = memoryview(bytearray(READ_GAP_BYTES))
                 bufs.append(scratch[: offset - at])
             bufs.append(buf)
             at = offset + len(buf)
