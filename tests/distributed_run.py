@@ -1,8 +1,11 @@
 """Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: loads a model with
-expert parallelism, checks it against single-process stock mlx-lm and prints one JSON line."""
+expert parallelism, checks it against single-process stock mlx-lm and writes its findings as
+JSON to OUT/host{rank}.json (mlx.launch forwards the hosts' output in pieces that can
+interleave within a line)."""
 
 import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -24,12 +27,12 @@ def reads_only_its_experts(runtime) -> bool:
     return True
 
 
-path, budget = sys.argv[1], sys.argv[2]
+path, budget, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 expected = greedy_logits(mlx_lm.load(path)[0], decode_tokens=12)
 model, _ = mlx_moestream.load(path, budget=budget, distributed=True)
 got = greedy_logits(model, decode_tokens=12)
 stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
-print(json.dumps({
+(out / f"host{stats['host']}.json").write_text(json.dumps({
     "host": stats["host"],
     "tokens": stats["tokens"],
     "equal": all(mx.array_equal(a, b).item() for a, b in zip(expected, got)),
@@ -38,4 +41,4 @@ print(json.dumps({
     "bytes_read": stats["bytes_read"],
     "own_reads": reads_only_its_experts(model.moestream),
     "combined_loads": hosts["combined"]["loads"],
-}), flush=True)
+}))

@@ -21,14 +21,20 @@ def launch(*args, timeout=300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_hosts(model: Path, budget: str, folder: Path) -> list[dict]:
+    """`distributed_run.py` on two hosts: each host's findings, in host order."""
+    out = launch(RUN, model, budget, folder)
+    assert out.returncode == 0, out.stderr[-3000:]
+    hosts = [json.loads(f.read_text()) for f in sorted(folder.glob("host*.json"))]
+    assert [h["host"] for h in hosts] == [0, 1], out.stderr[-3000:]  # each ran to its end
+    return hosts
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_two_hosts_match_one_stock_process_bit_for_bit(tiny_model, arch, bits):
+def test_two_hosts_match_one_stock_process_bit_for_bit(tiny_model, tmp_path, arch, bits):
     # 60% of a host's half of the experts: 30% of all expert bytes, so both evict
-    out = launch(RUN, tiny_model(arch, bits=bits), "60%")
-    assert out.returncode == 0, out.stderr[-3000:]
-    hosts = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert sorted(h["host"] for h in hosts) == [0, 1]
+    hosts = run_hosts(tiny_model(arch, bits=bits), "60%", tmp_path)
     for h in hosts:
         assert h["equal"] and h["own_reads"] and h["evictions"] > 0
     assert hosts[0]["combined_loads"] == sum(h["loads"] for h in hosts)
@@ -74,9 +80,8 @@ def test_the_readme_two_host_command_runs_as_written():
     assert out.stdout.count("generated at") == 1 and "all 2 hosts" in out.stdout
 
 
-def test_every_token_counts_on_a_host_that_owns_none_of_a_call(tiny_model):
+def test_every_token_counts_on_a_host_that_owns_none_of_a_call(tiny_model, tmp_path):
     """Top-2 of 8 experts over 2 hosts: some layer-0 calls route to the other host alone; the
     tokens still count on both hosts (the policies decay by them)."""
-    out = launch(RUN, tiny_model("mixtral"), "60%")
-    hosts = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [h["tokens"] for h in hosts] == [64 + 12] * 2, out.stderr[-2000:]
+    hosts = run_hosts(tiny_model("mixtral"), "60%", tmp_path)
+    assert [h["tokens"] for h in hosts] == [64 + 12] * 2
