@@ -359,8 +359,10 @@ class LayerCyclic(Policy):
         # uses and chances (keys at a call of their layer) of the latest and the other keys
         self.uses = [1.0, 1.0]
         self.chances = [2.0, 2.0]
+        self.calls = self.reused = self.used = self.offered = 0  # since the latest `_fold`
         self.value = np.full(layers, np.inf)  # per layer, at most its least value when not current
         self._value = memoryview(self.value)  # the same memory, written one layer at a time
+        self.score = np.empty(layers)  # `victims`' scratch
         self._rates()
 
     def _rates(self) -> None:
@@ -385,16 +387,18 @@ class LayerCyclic(Policy):
         layer = key_list[0] // self.experts
         previous, current = self.latest_set[layer], set(key_list)
         gone = previous - current
-        reused = len(previous) - len(gone)
-        uses, chances, weight = self.uses, self.chances, self.weight
-        uses[0] += reused * weight
-        uses[1] += (len(key_list) - reused) * weight
-        chances[0] += len(previous) * weight
-        chances[1] += (self.experts - len(previous)) * weight
-        if gone:
-            self._leave(layer, gone)
-        count, state = self.count, self.state
-        least = np.inf
+        # tallied per token; `tick` weighs them (the uses and chances of both groups)
+        self.calls += 1
+        self.reused += len(previous) - len(gone)
+        self.used += len(key_list)
+        self.offered += len(previous)
+        count, weight, least, state = self.count, self.weight, _INF, self.state
+        if gone:  # those resident join the layer's heap, unless there
+            in_heap, heap = self.in_heap, self.old[layer]
+            for key in gone:
+                if not in_heap[key] and state[key] == 2:
+                    heappush(heap, (count[key], key))
+                    in_heap[key] = True
         for key in key_list:
             c = count[key] = count[key] + weight
             if c < least:
@@ -407,15 +411,9 @@ class LayerCyclic(Policy):
         self.latest[layer], self.latest_set[layer], self.ranked[layer] = key_list, current, None
         self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
-        self._note(layer)
-
-    def _leave(self, layer: int, gone: set[int]) -> None:
-        """Keys left the layer's latest call: those resident join its heap, unless there."""
-        state, count, in_heap, heap = self.state, self.count, self.in_heap, self.old[layer]
-        for key in gone:
-            if not in_heap[key] and state[key] == 2:
-                heappush(heap, (count[key], key))
-                in_heap[key] = True
+        heap = self.old[layer]
+        self._value[layer] = min(least + self.bonus_latest,
+                                 heap[0][0] + self.bonus_old if heap else _INF)
 
     def warm(self, keys: list[int]) -> None:
         for key in keys:
@@ -444,12 +442,14 @@ class LayerCyclic(Policy):
         if len(chosen) < n:
             position = self.position
             distance = self.distances[position]
-            score = distance / self.value  # at most each layer's best score
+            score = np.divide(distance, self.value, out=self.score)  # at most each layer's best
             heap = self.old[position]  # its latest keys that its call does not use just missed:
-            least = min(self.least_latest[position], heap[0][0] if heap else np.inf)  # all old
-            score[position] = _score(distance.item(position), least + self.bonus_old)
-            while len(chosen) < n:
-                layer = int(score.argmax())
+            least = self.least_latest[position]  # all count as old
+            if heap and heap[0][0] < least:
+                least = heap[0][0]
+            score[position] = _score(self.layers, least + self.bonus_old)
+            layer = int(score.argmax())
+            while True:
                 if score.item(layer) <= 0:
                     raise _all_in_use()
                 score[layer] = -1.0
@@ -457,7 +457,11 @@ class LayerCyclic(Policy):
                 d = distance.item(layer)
                 left = self._evict_least(layer, n - len(chosen), protected, d, score.item(rival),
                                          layer < rival, chosen)
+                if len(chosen) == n:
+                    return chosen
+                # the layer's score fell to the rival's (or lost its tie): the rival is next
                 score[layer] = _score(d, left)
+                layer = rival
         return chosen
 
     def _unused_victims(self, n: int, protected: set[int]) -> list[int]:
@@ -479,38 +483,56 @@ class LayerCyclic(Policy):
         """Evict the layer's keys of least value, at most `limit` (into `chosen`), while their
         score `distance / value` beats `bar` (or equals it, if `wins_ties`); return at most the
         least value left (inf: none). Its latest keys and its heap are merged, a latest key
-        first among equals; the heap is settled only when it may hold a lesser value."""
-        state, count, bonus_old = self.state, self.count, self.bonus_old
+        first among equals. The heap is settled only when it may hold a lesser value: entries
+        of keys that left or are latest again go, those of `protected` keys go aside, and an
+        entry below its key's count (used since) is raised to it."""
+        state, count, bonus_old, in_heap = self.state, self.count, self.bonus_old, self.in_heap
         current = layer == self.position
         bonus = bonus_old if current else self.bonus_latest  # see `victims`
-        ranked, at = self._ranked(layer), 0
-        heap, aside = self.old[layer], []
-        old_value = heap[0][0] + bonus_old if heap else np.inf  # at most the heap's least
+        ranked = self.ranked[layer]
+        if ranked is None:
+            ranked = self.ranked[layer] = sorted(self.latest[layer], key=count.__getitem__)
+        at, end = 0, len(ranked)
+        heap, aside, latest = self.old[layer], [], self.latest_set[layer]
+        old_value = heap[0][0] + bonus_old if heap else _INF  # at most the heap's least
         settled = False  # whether `old_value` is the heap's least evictable key's value
         evicted_latest = False
-        value = np.inf
+        value = _INF
         while limit:
-            while at < len(ranked) and (state[ranked[at]] != 2 or ranked[at] in protected):
+            while at < end and (state[ranked[at]] != 2 or ranked[at] in protected):
                 at += 1
-            latest_value = count[ranked[at]] + bonus if at < len(ranked) else np.inf
+            latest_value = count[ranked[at]] + bonus if at < end else _INF
             if old_value < latest_value and not settled:
-                self._settle(layer, protected, aside)
-                old_value = heap[0][0] + bonus_old if heap else np.inf
+                while heap:
+                    c, key = heap[0]
+                    if state[key] != 2 or key in latest:
+                        heappop(heap)
+                        in_heap[key] = False
+                    elif key in protected:
+                        aside.append(heappop(heap))
+                    elif count[key] != c:
+                        heapreplace(heap, (count[key], key))
+                    else:
+                        break
+                old_value = heap[0][0] + bonus_old if heap else _INF
                 settled = True
-            from_latest = latest_value <= old_value
-            value = latest_value if from_latest else old_value
-            if value == np.inf:
-                break
-            score = _score(distance, value)
-            if score < bar or (score == bar and not wins_ties):
-                break
-            if from_latest:
+            if latest_value <= old_value:
+                value = latest_value
+                if value == _INF:
+                    break
+                score = distance / value if value else _INF
+                if score < bar or (score == bar and not wins_ties):
+                    break
                 key = ranked[at]
                 at += 1
                 evicted_latest = True
             else:
+                value = old_value
+                score = distance / value if value else _INF
+                if score < bar or (score == bar and not wins_ties):
+                    break
                 key = heappop(heap)[1]  # the next one is no less
-                self.in_heap[key] = False
+                in_heap[key] = False
                 settled = False
             state[key] = 0
             chosen.append(key)
@@ -522,24 +544,6 @@ class LayerCyclic(Policy):
                 self._latest_changed(layer)
             self._note(layer)
         return value
-
-    def _settle(self, layer: int, protected: set[int], aside: list[tuple[float, int]]) -> None:
-        """Bring the layer's heap to its least evictable key, at its count, on top: entries of
-        keys that left or are latest again go, those of `protected` keys go `aside`, and an
-        entry below its key's count (used since) is raised to it."""
-        heap, state, count, in_heap = self.old[layer], self.state, self.count, self.in_heap
-        latest = self.latest_set[layer]
-        while heap:
-            c, key = heap[0]
-            if state[key] != 2 or key in latest:
-                heappop(heap)
-                in_heap[key] = False
-            elif key in protected:
-                aside.append(heappop(heap))
-            elif count[key] != c:
-                heapreplace(heap, (count[key], key))
-            else:
-                return
 
     def _ranked(self, layer: int) -> list[int]:
         """The layer's latest keys, least count first (in call order among equals)."""
@@ -558,6 +562,7 @@ class LayerCyclic(Policy):
         self.least_latest[layer] = np.inf
 
     def tick(self, tokens: int) -> None:
+        self._fold()
         self.tokens += tokens
         halvings = self.tokens / self.half_life - self.rescaled
         if halvings > 64:  # rescale long before the weight overflows; the order is unchanged
@@ -573,8 +578,19 @@ class LayerCyclic(Policy):
         self.count = count.tolist()
         self._rescale(1.0)
 
+    def _fold(self) -> None:
+        """Add the calls tallied since the latest fold to the uses and chances, at the weight
+        of their token."""
+        weight, uses, chances = self.weight, self.uses, self.chances
+        uses[0] += self.reused * weight
+        uses[1] += (self.used - self.reused) * weight
+        chances[0] += self.offered * weight
+        chances[1] += (self.experts * self.calls - self.offered) * weight
+        self.calls = self.reused = self.used = self.offered = 0
+
     def _rescale(self, factor: float) -> None:
         """Multiply every count by `factor` and rebuild what holds counts."""
+        self._fold()
         self.count = count = [c * factor for c in self.count]
         self.uses = [u * factor for u in self.uses]
         self.chances = [c * factor for c in self.chances]
@@ -836,6 +852,9 @@ def _add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("seed counts must be finite and non-negative")
     np.add.at(count, keys, values * weight)
+
+
+_INF = float("inf")
 
 
 def _score(distance: float, value: float) -> float:
