@@ -223,13 +223,14 @@ class ExpertCache:
         self.policy_of[layer].warm(self.key_of[layer].tolist())
         return slots
 
-    def prewarm_plan(self, profile: Profile, share: float, pin_share: float, top_k: int
+    def prewarm_plan(self, profile: Profile, share: float, pin_share: float, call_experts: int
                      ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Seed the policies with `profile`'s counts (each layer's hottest expert counting
         `SEED_USES`) and choose what to pre-warm: the hottest experts that fit in `share` of
         the slots, in file order (layer, expert), and the hottest of those to pin in `pin_share`
-        (leaving each partition room for `top_k` unpinned). The caller `admit`s the first and
-        loads them, then `pin`s the second: the runtime and replay pre-warm alike."""
+        (leaving each partition room for one call's `call_experts` unpinned). The caller
+        `admit`s the first and loads them, then `pin`s the second: the runtime and replay
+        pre-warm alike."""
         if not (0.0 <= share <= 1.0 and 0.0 <= pin_share <= 1.0):
             raise ValueError(f"pre-warm and pin shares must be in [0, 1] of the budget, got "
                              f"{share} and {pin_share}")
@@ -247,7 +248,7 @@ class ExpertCache:
         pins, pinned = [], np.zeros(len(self.slot_of), np.int64)
         for layer, expert in hot[: int(self.num_slots * pin_share)]:
             used = pinned[layer] if self.per_layer else pinned.sum()
-            if used + 1 <= self.limit[layer] - top_k:
+            if used + 1 <= self.limit[layer] - call_experts:
                 pinned[layer] += 1
                 pins.append((layer, expert))
         seed = profile.seed_counts(SEED_USES)

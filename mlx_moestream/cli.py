@@ -95,9 +95,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         raise click.UsageError("--profile load may be given once")
     if backend == "torch" and model is None:
         raise click.UsageError("--backend torch needs --model: the embedded model is an MLX model")
-    if backend == "torch" and (per_layer or pin_share or prefetch or distributed):
-        raise click.UsageError("--per-layer, --pin-share, --prefetch and --distributed need "
-                               "--backend mlx")
+    if backend == "torch" and distributed:
+        raise click.UsageError("--distributed needs --backend mlx")
     if distributed and (profiles or trace_path or per_layer or prefetch):
         raise click.UsageError("--distributed takes no --profile, --trace, --per-layer or "
                                "--prefetch yet")
@@ -115,7 +114,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
 
             lm, tokenizer = moestream_torch.load(model, budget, device=device, policy=policy,
                                                  profile=profile, prewarm_share=prewarm_share,
-                                                 progress=_progress)
+                                                 pin_share=pin_share, per_layer=per_layer,
+                                                 prefetch=prefetch, progress=_progress)
             reply = partial(_torch_reply, lm, tokenizer, max_tokens, temp)
         else:
             from . import loader

@@ -94,6 +94,8 @@ class Runtime:
         self.plan = plan
         self.store = store
         self.budget_bytes = budget_bytes
+        # the most distinct experts one call of a layer must be able to hold at once
+        self.call_experts = plan.num_experts if whole_calls else plan.top_k
         self.policy = policy
         self.recorder = None  # a trace.TraceRecorder while recording routing
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
@@ -124,14 +126,16 @@ class Runtime:
         for group, slots in zip(plan.layer_groups(), plan.pool_slots(budget_bytes)):
             layer_slots = None
             if per_layer:
-                if slots < len(group) * plan.top_k:
+                room = self.call_experts
+                if slots < len(group) * room:
+                    what = "every expert" if whole_calls else f"top-{plan.top_k}"
                     raise BudgetError(
                         f"budget {format_bytes(budget_bytes)} gives {slots} slots: a per-layer "
-                        f"split needs top-{plan.top_k} for each of {len(group)} layers "
-                        f"({len(group) * plan.top_k} slots)"
+                        f"split needs {what} for each of {len(group)} layers "
+                        f"({len(group) * room} slots)"
                     )
                 weights = np.ones(len(group)) if layer_weights is None else layer_weights[group]
-                layer_slots = split_slots(slots, weights, plan.top_k)
+                layer_slots = split_slots(slots, weights, room)
             pool = new_pool(plan.layers[group[0]], slots)
             cache = ExpertCache(slots, group, plan.num_experts, plan.num_layers, policy, layer_slots)
             self.pools.append(pool)
@@ -436,13 +440,14 @@ class Runtime:
         """Read a profile's hottest experts into free slots (up to `share` of each pool), in
         file order, and seed the policies with its decayed counts: these pins are soft, the
         seeded counts decay like live ones. The hottest `pin_share` of each pool is pinned for
-        good (leaving every layer room for one token's top-k). `progress(items, label)` is a
-        context manager wrapping the reads."""
+        good (leaving every layer room for one call's experts: `call_experts`).
+        `progress(items, label)` is a context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
         self.count_deferred()
         picks, pins = [], []
         for cache in self.caches:
-            hot, pinned = cache.prewarm_plan(profile, share, pin_share, self.plan.top_k)
+            hot, pinned = cache.prewarm_plan(profile, share, pin_share,
+                                               self.call_experts)
             picks += hot
             pins += pinned
         picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors

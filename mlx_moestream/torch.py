@@ -43,32 +43,44 @@ GATE_UP = ("gate_proj", "up_proj")
 
 def load(model: str | Path, budget: int | str | None = None, *, device: str = "cpu",
          policy: str = DEFAULT_POLICY, profile: str | Path | Profile | None = None,
-         prewarm_share: float = 1.0, drop_page_cache: bool = True, revision: str | None = None,
+         prewarm_share: float = 1.0, pin_share: float = 0.0, per_layer: bool = False,
+         prefetch: bool = False, drop_page_cache: bool = True, revision: str | None = None,
          window_tokens: int = 32, progress: Callable | None = None,
          experts_implementation: str | None = None):
     """Load a transformers MoE model whose experts stream from its safetensors under `budget`;
     returns (model, tokenizer), the model's `generate()` unchanged. `budget`, `policy`,
-    `profile` and `prewarm_share` are those of `mlx_moestream.load`; `experts_implementation`
-    is transformers' (default: its own choice)."""
+    `profile`, `prewarm_share`, `pin_share`, `per_layer` and `prefetch` are those of
+    `mlx_moestream.load`, within this backend's rule that every call fits at once: pins leave
+    room for a whole layer, and a per-layer split must give each layer all its experts.
+    `experts_implementation` is transformers' (default: its own choice)."""
     if device != "cpu":
         raise ValueError(f"device '{device}': the torch backend streams on the CPU only for now")
     make_policy(policy, capacity=1, num_keys=1)  # a bad name fails before any read
     path = resolve_model_path(model, revision)
+    if profile is not None:
+        profile = as_profile(profile)
     lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation)
+    if profile is not None:
+        profile.check_model(plan.identity)
     modules = dict(lm.named_modules())
     rows = ExpertRows([_rows(modules[e.module], e, store, layer.specs)
                        for e, layer in zip(experts, plan.layers)])
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
                                   plan.dense_bytes, available_memory_bytes())
-    runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens,
-                      whole_calls=True)
-    for i, layer in enumerate(experts):
-        _stream(modules[layer.module], i, runtime)
+    weights = profile.working_set() if per_layer and profile is not None else None
+    runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens, per_layer,
+                      weights, whole_calls=True)
+    for i, e in enumerate(experts):
+        nxt = experts[i + 1] if prefetch and i + 1 < len(experts) else None
+        router = nxt and _router(modules[nxt.module.rsplit(".", 1)[0]], plan.num_experts)
+        _stream(modules[e.module], i, runtime, router)
     lm.moestream = runtime
+    if prefetch:
+        runtime.enable_prefetch()
     if runtime.holds_all:
         runtime.read_all(progress)
     if profile is not None:
-        runtime.prewarm(as_profile(profile), prewarm_share, 0.0, progress)
+        runtime.prewarm(profile, prewarm_share, pin_share, progress)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -367,11 +379,15 @@ class _RowPool(SlotPool):
         return self._nbytes
 
 
-def _stream(module: torch.nn.Module, layer: int, runtime: Runtime) -> None:
+def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
+            next_router: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
     """Before each call of the experts module, make its routed experts resident; the call
-    itself runs under the runtime's lock, so no other thread's call evicts them meanwhile."""
+    itself runs under the runtime's lock, so no other thread's call evicts them meanwhile.
+    With `next_router` (prefetch), a one-token call predicts the next layer's experts from its
+    own input and reads them while it computes."""
     forward = module.forward
     num_experts = runtime.plan.layers[layer].num_experts
+    top_k = runtime.plan.top_k
 
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
         with runtime.lock:
@@ -380,6 +396,24 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime) -> None:
                 raise BudgetError(
                     f"layer {layer}: a call routes to more experts than the budget holds at "
                     f"once ({runtime.capacity(layer)} of {num_experts}); raise the budget")
+            prefetch = runtime.prefetch
+            if (prefetch and next_router is not None and ids.size == ids.shape[-1]
+                    and prefetch.wanted(layer)):
+                with torch.no_grad():
+                    picks = next_router(hidden_states).topk(top_k, dim=-1).indices
+                prefetch.after(layer, np.unique(picks.to("cpu").numpy()))
             return forward(hidden_states, top_k_index, *args, **kwargs)
 
     module.forward = streaming_forward
+
+
+def _router(block: torch.nn.Module, num_experts: int
+            ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The routing logits of a MoE block (its child with one weight row per expert, and the
+    bias it adds, if any), or None. Used to predict only: the model routes as it always does."""
+    for child in block.children():
+        weight = getattr(child, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and len(weight) == num_experts:
+            bias = getattr(child, "bias", None)
+            return lambda x, w=weight, b=bias: torch.nn.functional.linear(x, w, b)
+    return None

@@ -109,6 +109,42 @@ def test_a_budget_below_one_layer_of_experts_is_a_clear_error(hf_model):
         moestream_torch.load(path, budget=need - 1)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: a router with a bias
+def test_prefetch_reads_each_next_layers_predicted_experts_and_stays_exact(hf_model, hf_reference,
+                                                                          arch):
+    path = hf_model(arch)
+    model, _ = moestream_torch.load(path, budget=moestream_torch.min_budget_bytes(path),
+                                    prefetch=True)
+    assert_equal_runs(run(model), hf_reference(path, torch.float32))
+    stats = mlx_moestream.stats(model)
+    assert stats["prefetch"] and stats["prefetch_loads"] > 0 and stats["prediction_precision"] > 0
+
+
+def test_pinned_experts_stay_resident_and_leave_room_for_a_whole_layer(hf_model, hf_reference,
+                                                                        tmp_path):
+    path = hf_model("qwen3_moe")
+    source, _ = moestream_torch.load(path, budget="100%")
+    run(source)
+    saved = mlx_moestream.save_profile(source, tmp_path / "p.json", workload="w")
+    model, _ = moestream_torch.load(path, budget="25%", profile=saved, pin_share=1.0)
+    pinned = model.moestream.layer_cache[0].pinned.copy()
+    assert_equal_runs(run(model), hf_reference(path, torch.float32))
+    stats = mlx_moestream.stats(model)
+    slots, experts = stats["slots"], 8
+    assert 0 < stats["prewarm"]["pinned"] == slots - experts  # every slot but one layer's
+    assert stats["evictions"] > 0
+    cache = model.moestream.layer_cache[0]
+    assert (cache.pinned == pinned).all() and (cache.slot_of.reshape(-1)[pinned] >= 0).all()
+
+
+def test_a_per_layer_split_must_give_each_layer_all_its_experts(hf_model, hf_reference):
+    path = hf_model("qwen3_moe")
+    with pytest.raises(BudgetError, match="per-layer split needs every expert for each of 6"):
+        moestream_torch.load(path, budget="90%", per_layer=True)
+    model, _ = moestream_torch.load(path, budget="100%", per_layer=True)
+    assert_equal_runs(run(model), hf_reference(path, torch.float32))
+
+
 def test_torch_and_mlx_runtimes_make_the_same_decisions_on_one_trace(hf_model):
     """Same checkpoint, same budget, same routing: the same hits, misses and evictions."""
     path = hf_model("mixtral")
@@ -158,7 +194,7 @@ def test_chat_with_the_torch_backend_answers_and_reports_the_cache(hf_model):
 
 @pytest.mark.parametrize("args, message", [
     ((), "--backend torch needs --model"),
-    (("--prefetch",), "need --backend mlx"),
+    (("--distributed",), "--distributed needs --backend mlx"),
 ])
 def test_chat_with_the_torch_backend_refuses_what_it_cannot_do(hf_model, args, message):
     model = () if not args else ("-m", hf_model("mixtral"))
