@@ -55,6 +55,7 @@ import mlx_moestream.store
 from mlx_moestream.files import atomic_write_text
 from mlx_moestream.loader import load_lazy
 from mlx_moestream.repack import repack
+from mlx_moestream.policies import DEFAULT_POLICY
 from mlx_moestream.mlx_backend import MLXSlotPool
 from mlx_moestream.testing import make_tiny_moe
 from mlx_moestream.trace import synthetic_trace
@@ -770,7 +771,7 @@ def parse_budgets(text: str) -> list[float]:
               help="Rounds of measured passes of the warm configs (stock, 100%), per load order.")
 @click.option("--cold-passes", default=1, show_default=True,
               help="Cold passes (fresh loads) of each config below 100%.")
-@click.option("--policy", default="wlfu", show_default=True)
+@click.option("--policy", default=DEFAULT_POLICY, show_default=True)
 @click.option("--read-experts", default=128, show_default=True,
               help="Experts read by the micro-benchmark.")
 @click.option("--profile", "profile_budget", type=float, default=None,
