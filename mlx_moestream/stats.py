@@ -25,7 +25,7 @@ class Stats:
         self.bytes_read = np.zeros(n, np.int64)
         self.read_seconds = np.zeros(n, np.float64)
         self.stall_seconds = np.zeros(n, np.float64)  # the forward pass waiting for reads
-        self.syncs = 0  # host waits: one per streamed call (its routed ids), one per prediction
+        self.syncs = 0  # host waits: one per streamed call (its routed ids; a prediction shares it)
         # Prefetch: predicted experts vs. the routed ones, and prefetch loads that were used.
         self.predicted = np.zeros(n, np.int64)
         self.predicted_routed = np.zeros(n, np.int64)
