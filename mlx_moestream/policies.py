@@ -412,7 +412,9 @@ class LayerCyclic(Policy):
         self.latest[layer], self.latest_set[layer], self.ranked[layer] = key_list, current, None
         self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
-        self._note(layer)
+        heap = self.old[layer]  # `_note`, inlined: this is the hot path
+        self._value[layer] = min(least + self.bonus_latest,
+                                 (heap[0][0] if heap else _INF) + self.bonus_old)
 
     def warm(self, keys: list[int]) -> None:
         for key in keys:
@@ -446,7 +448,8 @@ class LayerCyclic(Policy):
             least = self.least_latest[position]  # all count as old
             if heap and heap[0][0] < least:
                 least = heap[0][0]
-            score[position] = _score(self.layers, least + self.bonus_old)
+            least += self.bonus_old
+            score[position] = self.layers / least if least else _INF  # `_score`, inlined
             layer = int(score.argmax())
             while True:
                 if score.item(layer) <= 0:
@@ -519,7 +522,7 @@ class LayerCyclic(Policy):
             value = latest_value if from_latest else old_value
             if value == _INF:
                 break
-            score = _score(distance, value)
+            score = distance / value if value else _INF  # `_score`, inlined
             if score < bar or (score == bar and not wins_ties):
                 break
             if from_latest:
