@@ -90,8 +90,9 @@ class ExpertCache:
         self.key_of = np.arange(num_layers * num_experts).reshape(num_layers, num_experts)
         self.free = list(range(num_slots - 1, -1, -1))
         self.pinned = np.zeros(num_layers * num_experts, np.bool_)
+        self._pinned = memoryview(self.pinned)  # read one key at a time
         self.pinned_count = np.zeros(num_layers, np.int64)
-        self.any_pinned = False
+        self.pinned_total = 0  # in every layer
         self.per_layer = layer_slots is not None
         if isinstance(policy, str):
             new_policy = partial(make_policy, policy, num_keys=num_layers * num_experts,
@@ -112,33 +113,37 @@ class ExpertCache:
 
     def capacity(self, layer: int) -> int:
         """How many distinct experts one call of `layer` can have resident at once."""
-        pinned = self.pinned_count[layer] if self.per_layer else self.pinned_count.sum()
+        pinned = self.pinned_count[layer] if self.per_layer else self.pinned_total
         return self.limit[layer] - int(pinned)
 
-    def request(self, layer: int, experts: np.ndarray) -> tuple[list[tuple[int, int]], int, list[int]]:
+    def request(self, layer: int, experts: list[int]) -> tuple[list[tuple[int, int]], int, list[int]]:
         """Make `experts` (distinct, at most `capacity(layer)`) resident.
 
         Returns the (expert, slot) pairs the caller must load before computing (its misses),
         the number of hits, and the keys evicted for the loads. A call names a handful of
-        experts, so past the one gather of their slots the work is on plain lists: each numpy
-        call on a tiny array costs more than the Python loop it replaces.
+        experts, so the work is on plain lists: each numpy call on a tiny array costs more
+        than the Python loop it replaces, and more still right after the host waited for the
+        device (its code and data have left the CPU caches).
         """
         policy = self.policy_of[layer]
-        keys = self.key_of[layer][experts]
+        base = layer * self.num_experts
+        keys = [base + e for e in experts]
         pinned_hits = 0
-        if self.any_pinned:  # pinned keys are outside the policy
-            unpinned = ~self.pinned[keys]
-            keys, experts = keys[unpinned], experts[unpinned]
-            pinned_hits = len(unpinned) - len(keys)
-        slots = self.slot_of[layer][experts].tolist()
+        if self.pinned_total:  # pinned keys are outside the policy
+            pinned = self._pinned
+            kept = [i for i, key in enumerate(keys) if not pinned[key]]
+            pinned_hits = len(keys) - len(kept)
+            keys, experts = [keys[i] for i in kept], [experts[i] for i in kept]
+        slot_by_key = self.slot_by_key
+        slots = [slot_by_key[key] for key in keys]
         if -1 not in slots:  # all resident: the hot path
-            policy.access(keys)
+            if keys:  # else every expert of the call is pinned: nothing for the policy
+                policy.access(keys)
             return [], pinned_hits + len(slots), []
-        key_list, expert_list = keys.tolist(), experts.tolist()
         missing = [i for i, s in enumerate(slots) if s < 0]
-        new = [key_list[i] for i in missing]
-        loads, evicted = self._place(layer, policy, [expert_list[i] for i in missing], new,
-                                     set(key_list))
+        new = [keys[i] for i in missing]
+        loads, evicted = self._place(layer, policy, [experts[i] for i in missing], new,
+                                     set(keys))
         policy.access(keys, new)
         return loads, pinned_hits + len(slots) - len(missing), evicted
 
@@ -265,7 +270,7 @@ class ExpertCache:
             self.policy_of[layer].remove(key)
             self.pinned[key] = True
             self.pinned_count[layer] += 1
-            self.any_pinned = True
+            self.pinned_total += 1
 
     def seed(self, counts: dict[int, float]) -> None:
         """Start the policies' frequency state from a saved activation profile `{key: count}`."""

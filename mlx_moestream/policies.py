@@ -20,8 +20,8 @@ DEFAULT_POLICY = "cyclic"
 class Policy:
     """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
 
-    Calls: `access(keys, new)` with the keys one call used (distinct, a numpy integer array
-    the policy may keep; the caller does not change it), `new` listing those that just became
+    Calls: `access(keys, new)` with the keys one call used (distinct, at least one, a list the
+    policy may keep; the caller does not change it), `new` listing those that just became
     resident for it (its misses); `insert(keys)` when keys become resident without a use (a
     prefetch: ranked as unused until a call uses it, so a wrong prediction is the first to go);
     `victims(n, protected)` to remove and return the next `n` keys to evict (never one in
@@ -35,7 +35,7 @@ class Policy:
         self.capacity = capacity
         self.num_keys = num_keys
 
-    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
         raise NotImplementedError
 
     def insert(self, keys: list[int]) -> None:
@@ -50,7 +50,7 @@ class Policy:
     def warm(self, keys: list[int]) -> None:
         """`keys` became resident by a pre-warm, on the strength of seeded counts."""
         for key in keys:
-            self.access(np.array([key]), [key])
+            self.access([key], [key])
 
     def tick(self, tokens: int) -> None:
         pass
@@ -66,9 +66,9 @@ class LRU(Policy):
         super().__init__(capacity, num_keys)
         self.order: OrderedDict[int, None] = OrderedDict()
 
-    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
         move = self.order.move_to_end
-        for key in keys.tolist():
+        for key in keys:
             if key not in new:
                 move(key)
         self.order.update(dict.fromkeys(new))  # the misses, after the hits
@@ -99,7 +99,7 @@ class LFU(Policy):
         self.uses = 0
         self.resident = _Resident(num_keys)
 
-    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
         self.uses += 1
         self.count[keys] += 1
         self.last_use[keys] = self.uses
@@ -176,7 +176,7 @@ class WindowLFU(Policy):
         self.bound = np.inf  # a token's first ranking reads only the keys counted at most this
         self._forget_order()
 
-    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
         self.uses += 1
         self.now[()] = self.uses
         self.touched += len(keys)
@@ -381,17 +381,14 @@ class LayerCyclic(Policy):
         self._value[layer] = min(self.least_latest[layer] + self.bonus_latest,
                                  (heap[0][0] if heap else _INF) + self.bonus_old)
 
-    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
-        key_list = keys.tolist()
-        if not key_list:  # every expert of the call was pinned: nothing for the policy
-            return
-        layer = key_list[0] // self.experts
-        previous, current = self.latest_set[layer], set(key_list)
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
+        layer = keys[0] // self.experts
+        previous, current = self.latest_set[layer], set(keys)
         gone = previous - current
         # tallied per token; `tick` weighs them (the uses and chances of both groups)
         self.calls += 1
         self.reused += len(previous) - len(gone)
-        self.used += len(key_list)
+        self.used += len(keys)
         self.offered += len(previous)
         count, weight, least, state = self.count, self.weight, _INF, self.state
         if gone:  # those resident join the layer's heap, unless there
@@ -400,16 +397,16 @@ class LayerCyclic(Policy):
                 if not in_heap[key] and state[key] == 2:
                     heappush(heap, (count[key], key))
                     in_heap[key] = True
-        for key in key_list:
+        for key in keys:
             c = count[key] = count[key] + weight
             if c < least:
                 least = c
         for key in new:
             state[key] = 2
         if self.unused:  # it may use prefetched keys (else every hit is a used key already)
-            for key in key_list:
+            for key in keys:
                 state[key] = 2
-        self.latest[layer], self.latest_set[layer], self.ranked[layer] = key_list, current, None
+        self.latest[layer], self.latest_set[layer], self.ranked[layer] = keys, current, None
         self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
         heap = self.old[layer]  # `_note`, inlined: this is the hot path
@@ -631,10 +628,10 @@ class SLRU(Policy):
         self.count = np.zeros(num_keys)
         self.tokens = 0
 
-    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
         self.count[keys] += 1
         protected = self.protected
-        for key in keys.tolist():
+        for key in keys:
             if key in new:
                 continue
             if key in protected:
@@ -720,8 +717,8 @@ class Belady(Policy):
         self.at[key] = at
         self.next_use[key] = future.next_at[at]
 
-    def access(self, keys: np.ndarray, new: list[int] = ()) -> None:
-        for key in keys.tolist():
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
+        for key in keys:
             self._use(key)
         self.insert(new)
 

@@ -91,13 +91,13 @@ class Prefetch:
         self.reads = []
         stats.stall_seconds[layer] += time.perf_counter() - start
 
-    def score(self, layer: int, experts: np.ndarray) -> None:
+    def score(self, layer: int, experts: list[int]) -> None:
         """Count how the prediction for this call did, for the statistics and the gate of
         `pays`."""
         predicted = self.predictions.pop(layer, None)
         if predicted is None:
             return
-        routed = set(experts.tolist())
+        routed = set(experts)
         misses = self.predicted_misses.pop(layer, set())  # unset if Ctrl-C fell in between
         self.gate_predicted[layer] += len(misses)
         self.gate_routed[layer] += len(misses & routed)

@@ -139,7 +139,7 @@ def trace_profile(trace: Trace, tokens: np.ndarray, workload: str) -> Profile:
     for t in np.asarray(tokens).tolist():
         stats.tick(1)
         for layer, ids in enumerate(trace.experts[t].tolist()):
-            stats.route(layer, np.array([i for i in ids if i >= 0], np.int64))
+            stats.route(layer, [i for i in ids if i >= 0])
     model = {"model_type": "trace", "moe_layers": trace.layers, "experts": trace.num_experts,
              "top_k": trace.top_k, "fingerprint": "trace"}
     return Profile.of(stats, workload, model)
@@ -190,7 +190,8 @@ class _Prepared:
         valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]  # distinct experts of each (token, layer)
         sizes = valid.sum(axis=2)
         self.trace = trace
-        self.requests = np.split(ids[valid], np.cumsum(sizes.ravel())[:-1])  # token-major
+        flat, ends = ids[valid].tolist(), np.cumsum(sizes.ravel()).tolist()
+        self.requests = [flat[a:b] for a, b in zip([0] + ends, ends)]  # token-major lists
         self.accesses = sizes.sum(axis=1)  # per token
         layer = np.arange(trace.layers)[None, :, None]
         self.future = Future((layer * trace.num_experts + ids)[valid],

@@ -217,10 +217,10 @@ class Runtime:
             yield positions, flat_slots[positions]
 
     def _admit(self, layer: int, ids: np.ndarray, compute: bool
-               ) -> tuple[np.ndarray, np.ndarray] | None:
+               ) -> tuple[list[int], np.ndarray] | None:
         """What every call does before its experts are made resident (see `route`): finish
-        reads in flight, count, record, mask. Returns (distinct experts, ids), or None when the
-        call must be computed by `rounds` or computes nothing."""
+        reads in flight, count, record, mask. Returns (distinct experts in order, ids), or None
+        when the call must be computed by `rounds` or computes nothing."""
         if self.prefetch and self.prefetch.reads:
             self.prefetch.wait(layer)
         if self.unfinished:
@@ -234,20 +234,21 @@ class Runtime:
             num = self.plan.layers[layer].num_experts
             self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
         routed, ids = self._unmasked(layer, ids)
-        if not routed.size and not compute:
+        if not routed and not compute:
             return None
         self.stats.route(layer, routed)
-        experts = np.unique(ids)  # routed ones; expert 0 where the call masked every id
+        experts = sorted(set(routed)) if routed else [0]  # expert 0 where every id is masked
         if self.prefetch:
             self.prefetch.score(layer, experts)
         if len(experts) > self.capacity(layer):
             return None
         return experts, ids
 
-    def _reading(self, layer: int, experts: np.ndarray) -> None:
+    def _reading(self, layer: int, experts: list[int]) -> None:
         """A prefetch must not evict the experts of the call about to compute."""
         if self.prefetch:
-            self.prefetch.reading = set((layer * self.plan.num_experts + experts).tolist())
+            base = layer * self.plan.num_experts
+            self.prefetch.reading = {base + e for e in experts}
 
     def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
@@ -263,21 +264,21 @@ class Runtime:
             end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
             positions = order[done:end]
             with CRITICAL:
-                slots = self._request(layer, chunk, flat[positions])
+                slots = self._request(layer, chunk.tolist(), flat[positions])
             yield positions, slots
             done = end
 
-    def _unmasked(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the routed ids alone, `ids` with masked ones (-1, or past the layer's experts)
-        pointing at a routed expert)."""
+    def _unmasked(self, layer: int, ids: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """(the routed ids alone, flat, `ids` with masked ones (-1, or past the layer's
+        experts) pointing at a routed expert). On a list: a call names a handful of ids."""
         num = self.plan.layers[layer].num_experts
-        if ids.min() >= 0 and ids.max() < num:
-            return ids, ids
-        valid = (ids >= 0) & (ids < num)
-        routed = ids[valid]
-        return routed, np.where(valid, ids, routed[0] if routed.size else 0)
+        flat = ids.reshape(-1).tolist()
+        if min(flat) >= 0 and max(flat) < num:
+            return flat, ids
+        routed = [i for i in flat if 0 <= i < num]
+        return routed, np.where((ids >= 0) & (ids < num), ids, routed[0] if routed else 0)
 
-    def _request(self, layer: int, experts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def _request(self, layer: int, experts: list[int], ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`).
         Callers hold CRITICAL: no decision without its load."""
         loads = self._decide(layer, experts)
@@ -285,7 +286,7 @@ class Runtime:
             self._load(layer, loads)
         return self.layer_cache[layer].slots(layer, ids)
 
-    def _decide(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]]:
+    def _decide(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
         """The cache's decision for a call's distinct `experts`, counted, its victims released:
         returns the (expert, slot) reads it needs."""
         loads, hits, evicted = self.layer_cache[layer].request(layer, experts)

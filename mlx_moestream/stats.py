@@ -44,6 +44,8 @@ class Stats:
         # written a few items per call, as memoryviews: half numpy's cost
         self._hits, self._misses = memoryview(self.hits), memoryview(self.misses)
         self._evictions = memoryview(self.evictions)
+        self._activations = [memoryview(row) for row in self.activations]
+        self._decayed = [memoryview(row) for row in self.decayed]
 
     def count_request(self, layer: int, hits: int, misses: int) -> None:
         """Count one call's accesses."""
@@ -56,11 +58,17 @@ class Stats:
         for key in keys:
             evictions[key // num_experts] += 1
 
-    def route(self, layer: int, ids: np.ndarray) -> None:
+    def route(self, layer: int, ids: list[int]) -> None:
         """Count the tokens routed to each expert by one call (`ids`: valid expert ids)."""
-        routed = np.bincount(ids.reshape(-1), minlength=self.num_experts)
-        self.activations[layer] += routed
-        self.decayed[layer] += routed
+        if len(ids) > 64:  # many tokens: one numpy call
+            routed = np.bincount(ids, minlength=self.num_experts)
+            self.activations[layer] += routed
+            self.decayed[layer] += routed
+            return
+        activations, decayed = self._activations[layer], self._decayed[layer]
+        for i in ids:
+            activations[i] += 1
+            decayed[i] += 1.0
 
     def tick(self, tokens: int) -> None:
         """Called before `tokens` new tokens are processed: close a finished window, decay, count."""

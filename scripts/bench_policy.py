@@ -41,7 +41,7 @@ from mlx_moestream.stats import Stats  # noqa: E402
 from mlx_moestream.trace import synthetic_trace  # noqa: E402
 
 
-def time_requests(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: int,
+def time_requests(name: str, slots: int, rows: list[list[list[int]]], num_experts: int,
                   warm_tokens: int, runs: int) -> dict:
     """Fastest of `runs` runs (the machine may be shared) of `time_once`, each timing on its
     own."""
@@ -66,14 +66,14 @@ class Recorder:
         return call
 
 
-def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: int,
+def time_once(name: str, slots: int, rows: list[list[list[int]]], num_experts: int,
               warm_tokens: int) -> dict:
     """Replay `rows[token][layer]` through a fresh cache; time all but the first `warm_tokens`,
     then time the policy calls of that part alone."""
     layers = len(rows[0])
     num_keys = layers * num_experts
     if name == "belady":
-        future = np.concatenate([r + l * num_experts for row in rows for l, r in enumerate(row)])
+        future = [l * num_experts + e for row in rows for l, r in enumerate(row) for e in r]
         new_policy = partial(Belady, num_keys=num_keys, future=Future(future, num_keys))
     else:
         new_policy = partial(make_policy, name, num_keys=num_keys, num_experts=num_experts)
@@ -108,7 +108,7 @@ def time_once(name: str, slots: int, rows: list[list[np.ndarray]], num_experts: 
 
 
 def policy_seconds(new_policy: Callable[[int], Policy], slots: int,
-                   rows: list[list[np.ndarray]], num_experts: int, warm_tokens: int) -> float:
+                   rows: list[list[list[int]]], num_experts: int, warm_tokens: int) -> float:
     """Seconds a policy spends on the calls a cache makes for `rows` after `warm_tokens`: the
     calls are recorded from a cache run, then replayed on a fresh policy."""
     layers = len(rows[0])
@@ -131,11 +131,9 @@ def policy_seconds(new_policy: Callable[[int], Policy], slots: int,
     return time.perf_counter() - start
 
 
-def rows_of(experts: np.ndarray) -> list[list[np.ndarray]]:
-    """Each token's and layer's distinct experts, as the runtime passes them (np.unique)."""
-    ids = np.sort(experts.astype(np.int64), axis=2)
-    return [[np.ascontiguousarray(ids[t, l]) for l in range(ids.shape[1])]
-            for t in range(ids.shape[0])]
+def rows_of(experts: np.ndarray) -> list[list[list[int]]]:
+    """Each token's and layer's distinct experts, as the runtime passes them (in order)."""
+    return np.sort(experts.astype(np.int64), axis=2).tolist()
 
 
 @click.command()
@@ -154,7 +152,7 @@ def main(layers: int, num_experts: int, top_k: int, tokens: int, repeats: tuple[
     total = layers * num_experts
     trace = synthetic_trace(tokens, layers, num_experts, top_k, seed=seed)
     rows = rows_of(trace.experts)
-    warm_rows = [[np.arange(num_experts)] * layers] + rows
+    warm_rows = [[list(range(num_experts))] * layers] + rows
     cost = {}
     for name in names:
         click.echo(f"timing {name}", err=True)
