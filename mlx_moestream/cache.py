@@ -197,12 +197,16 @@ class ExpertCache:
     def pinned_in(self, layer: int) -> int:
         return int(self.pinned_count[layer])
 
-    def discard(self, layer: int, expert: int) -> None:
-        """Forget a resident expert whose load failed, so its slot is never read as valid."""
+    def discard(self, layer: int, expert: int) -> bool:
+        """Forget a resident expert whose load failed, so its slot is never read as valid;
+        whether it was resident (a load may be finished twice, after an interrupt)."""
         slot = int(self.slot_of[layer, expert])
+        if slot < 0:
+            return False
         self.policy_of[layer].remove(layer * self.num_experts + expert)
         self.slot_of[layer, expert] = -1
         self.free.append(slot)
+        return True
 
     def tick(self, tokens: int) -> None:
         for policy in self.policies:

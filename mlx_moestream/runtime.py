@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Iterator
@@ -101,7 +101,7 @@ class Runtime:
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
-        self.unfinished: list[tuple[int, list]] = []  # (layer, reads) `route_chunks` started
+        self.unfinished: list[tuple[int, list]] = []  # (layer, reads) a call left running
         # a backend that counts routing after the fact (all experts resident) flushes it here
         self.count_deferred: Callable[[], None] = lambda: None
         # a backend whose compute may still read slots when a call returns waits for it here
@@ -193,7 +193,7 @@ class Runtime:
             loads = self._decide(layer, experts)
             self._reading(layer, experts)
             size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
-            reads = [(e, self.io.submit(self.read, layer, e, s).result) for e, s in loads]
+            reads = [(e, self.io.submit(self.read, layer, e, s)) for e, s in loads]
             groups = [reads[i : i + size] for i in range(0, len(reads), size)]
             self.unfinished += [(layer, group) for group in groups]
             slots = self.layer_cache[layer].slots(layer, ids)
@@ -301,9 +301,10 @@ class Runtime:
         self._release(keys)
 
     def forget(self, layer: int, expert: int) -> None:
-        """An expert whose read failed leaves its slot, so it is never read as valid."""
-        self.layer_cache[layer].discard(layer, expert)
-        self._release([layer * self.plan.num_experts + expert])
+        """An expert whose read failed or was cut short leaves its slot, so it is never read as
+        valid (again: nothing, if it left already)."""
+        if self.layer_cache[layer].discard(layer, expert):
+            self._release([layer * self.plan.num_experts + expert])
 
     def _release(self, keys: list[int]) -> None:
         """Tell the pools that want to know that keys left their slots."""
@@ -329,26 +330,50 @@ class Runtime:
         self.stats.loads[layer] += experts
 
     def _load(self, layer: int, loads: list[tuple[int, int]]) -> None:
-        """Read the missing experts of a call, concurrently when there are several."""
-        reads = [(e, partial(self.read, layer, e, s)) for e, s in loads]
-        if len(reads) > 1:
-            reads = [(e, self.io.submit(read).result) for e, read in reads]
-        self._finish(layer, reads)
-
-    def _finish(self, layer: int, reads: list[tuple[int, Callable]]) -> None:
-        """Wait for (or make) the reads of `layer`'s experts, `(expert, read)` each, counting
-        each as it ends (and taking it off `reads`); a failed one is forgotten, and the first
-        failure raised once all have ended."""
-        start, failed = time.perf_counter(), None
-        while reads:
-            expert, read = reads[0]
-            try:
-                self.count_read(layer, *read())
-            except StoreError as e:
+        """Read the missing experts of a call: one here, several concurrently. However the
+        wait ends (a failed read, Ctrl-C under a SIGINT handler not ours, an OSError), no slot
+        is left claiming bytes that never landed: a read cut short here is forgotten, one not
+        yet started too, and those still running are finished by the next call
+        (`unfinished`)."""
+        if len(loads) == 1:
+            (expert, slot), = loads
+            self._finish(layer, [(expert, partial(self.read, layer, expert, slot))])
+            return
+        reads: list[tuple[int, Future]] = []
+        self.unfinished.append((layer, reads))
+        try:
+            for expert, slot in loads:
+                reads.append((expert, self.io.submit(self.read, layer, expert, slot)))
+        except BaseException:
+            for expert, _ in loads[len(reads):]:
                 self.forget(layer, expert)
-                failed = failed or e
-            reads.pop(0)
-        self.stats.stall_seconds[layer] += time.perf_counter() - start
+            raise
+        self._finish_unfinished()
+
+    def _finish(self, layer: int, reads: list[tuple[int, Future | Callable]]) -> None:
+        """Wait for the reads of `layer`'s experts (`(expert, future)`), or make them (`(expert,
+        read)`), counting each as it ends and taking it off `reads`; a failed one is
+        forgotten, and the first failure raised once all have ended. Anything else raised
+        while waiting forgets a read made here (cut short) and leaves a future in `reads`."""
+        start, failed = time.perf_counter(), None
+        try:
+            while reads:
+                expert, read = reads[0]
+                try:
+                    result = read.result() if isinstance(read, Future) else read()
+                except StoreError as e:
+                    self.forget(layer, expert)  # then off the list: forgetting twice is safe
+                    failed = failed or e
+                except BaseException:
+                    if not isinstance(read, Future):
+                        self.forget(layer, expert)
+                        reads.pop(0)
+                    raise
+                else:
+                    self.count_read(layer, *result)
+                reads.pop(0)
+        finally:
+            self.stats.stall_seconds[layer] += time.perf_counter() - start
         if failed:
             self.stats.read_errors += 1
             raise failed
@@ -463,9 +488,9 @@ class Runtime:
                         continue
                     try:
                         read = self.read(layer, expert, slot)
-                    except StoreError:
+                    except BaseException as e:  # failed or cut short: the slot holds nothing
                         self.forget(layer, expert)
-                        self.stats.read_errors += 1
+                        self.stats.read_errors += isinstance(e, StoreError)
                         raise
                     self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
                     nbytes += read[0]

@@ -72,3 +72,46 @@ def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, 
     monkeypatch.undo()
     assert all(mx.array_equal(a, b).item()
                for a, b in zip(greedy_logits(model), reference(path)))
+
+
+@pytest.mark.parametrize("fault", ["Ctrl-C under another SIGINT handler", "OSError"])
+def test_a_read_cut_short_by_any_exception_leaves_no_stale_slot(tiny_model, reference, monkeypatch,
+                                                                 fault):
+    """A SIGINT handler set after load (Jupyter sets its own before every cell) or an error
+    that is not a StoreError cuts a decode step's read short: the expert must not stay
+    marked resident over bytes that never landed."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    greedy_logits(model)  # the cache full: the expert cut short takes a slot another held
+    runtime = model.moestream
+    original, main_reads = runtime.store.read_expert, itertools.count()
+
+    def failing(*args):
+        if threading.current_thread() is threading.main_thread() and next(main_reads) == 2:
+            if fault == "OSError":
+                raise OSError(12, "Cannot allocate memory")
+            signal.raise_signal(signal.SIGINT)
+        return original(*args)
+
+    monkeypatch.setattr(runtime.store, "read_expert", failing)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises((KeyboardInterrupt, OSError)):
+            greedy_logits(model, decode_tokens=8)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.undo()
+    assert all(mx.array_equal(a, b).item()
+               for a, b in zip(greedy_logits(model), reference(path)))
+
+
+def test_an_expert_forgotten_twice_frees_its_slot_once(tiny_model):
+    """A read group finished again after an interrupt forgets a failed expert a second time:
+    its slot must not go back to the free list twice (nor slot -1, the pool's last)."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="60%")
+    runtime = model.moestream
+    runtime.route(0, np.array([[[0, 1]]]))
+    runtime.forget(0, 1)
+    runtime.forget(0, 1)
+    free = runtime.caches[0].free
+    assert len(set(free)) == len(free) and min(free) >= 0
