@@ -248,7 +248,12 @@ class ExpertStore:
         self.files = weight_files(self.model_dir)
         self.tensors: dict[str, TensorInfo] = {}
         for i, path in enumerate(self.files):
-            self.tensors.update(index_file(path, i))
+            for name, info in index_file(path, i).items():
+                if name in self.tensors:  # mlx-lm keeps the last in its own order: not ours
+                    other = self.files[self.tensors[name].file].name
+                    raise StoreError(f"{path}: tensor '{name}' is also in {other}: two "
+                                     "checkpoints in one folder? Remove the stale shard")
+                self.tensors[name] = info
         self._fds: list[int] | None = None
         self._direct: int | None = None  # experts.bin opened with O_DIRECT, when it can be
         self._bounce = threading.local()  # each reader thread's page-aligned buffer

@@ -30,6 +30,16 @@ def test_corrupt_header_json_names_the_file(model_copy):
         mlx_moestream.load(path)
 
 
+def test_a_tensor_in_two_shards_is_refused_naming_both(model_copy):
+    """A leftover shard of an earlier conversion: mlx-lm would take the dense weights from one
+    and the store the experts from the other."""
+    path = model_copy()
+    (path / "model-old.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    with pytest.raises(StoreError, match=r"model\.safetensors: tensor '.*' is also in "
+                                         r"model-old\.safetensors"):
+        mlx_moestream.load(path)
+
+
 def test_header_longer_than_the_file_is_reported(model_copy):
     path = model_copy()
     shard = path / "model.safetensors"
