@@ -32,6 +32,7 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
     from .loader import load_lazy  # mlx builds the plan; importing repack needs no mlx
 
     _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False, repacked=False)
+    source = source_digest(weight_files(model_dir))  # before the reads: see the end
     layers = []
     tmp = out / "experts.bin.tmp"
     with open(tmp, "wb") as f:
@@ -62,9 +63,13 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
+    if source_digest(weight_files(model_dir)) != source:  # the copy may hold the old bytes
+        tmp.unlink()
+        raise StoreError(f"{model_dir}: the model files changed while they were repacked: "
+                         "repack again")
     os.replace(tmp, out / "experts.bin")
     manifest = {"schema": REPACK_SCHEMA, "version": 1, "page_size": page_size,
-                "source": source_digest(weight_files(model_dir)), "bin_bytes": size,
+                "source": source, "bin_bytes": size,
                 "layers": layers}
     manifest["checksum"] = manifest_checksum(manifest)
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")

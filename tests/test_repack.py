@@ -13,7 +13,7 @@ import pytest
 
 import mlx_moestream
 from mlx_moestream.repack import repack, verify
-from mlx_moestream.store import ExpertStore, index_file
+from mlx_moestream.store import ExpertStore, StoreError, index_file, repack_dir
 
 from mlx_moestream.testing import greedy_logits
 
@@ -137,6 +137,31 @@ def test_a_copy_of_experts_since_rewritten_in_place_is_ignored_and_verify_says_s
     with pytest.warns(UserWarning, match="made from other model files"):
         store = ExpertStore(path)
     assert store.files[-1].name == "model.safetensors"
+
+
+def test_a_shard_rewritten_after_its_experts_were_read_fails_the_repack(model_copy, monkeypatch):
+    """The edit lands while the copy is synced, after every read: the copy holds the old bytes
+    and must not be recorded as made from the new files."""
+    import mlx_moestream.repack as repack_module
+
+    path = model_copy("qwen3_moe")
+    shard = path / "model.safetensors"
+    fsync = os.fsync
+
+    def fsync_while_the_shard_changes(fd):
+        stat = shard.stat()
+        with open(shard, "r+b") as f:
+            f.seek(stat.st_size - 64)
+            f.write(bytes(64))
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        return fsync(fd)
+
+    monkeypatch.setattr(repack_module.os, "fsync", fsync_while_the_shard_changes)
+    with pytest.raises(StoreError, match="the model files changed while they were repacked"):
+        repack(path)
+    monkeypatch.undo()
+    folder = repack_dir(path)
+    assert not (folder / "experts.bin").exists() and not (folder / "experts.bin.tmp").exists()
 
 
 def test_a_corrupt_block_in_the_copy_is_an_error_naming_the_expert_never_an_input(model_copy):
