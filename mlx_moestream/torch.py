@@ -130,6 +130,18 @@ def _renamings(config) -> list[tuple[str, str]]:
             if isinstance(t, WeightRenaming)]
 
 
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a tensor `safe_open` maps from its file (the file may change under a mapping)
+    at the same address modulo 64 bytes: float32 CPU matmul kernels round differently by
+    alignment, and `from_pretrained` computes from the mapped tensors."""
+    raw = torch.empty(tensor.nbytes + 64, dtype=torch.uint8)
+    skip = (tensor.data_ptr() - raw.data_ptr()) % 64
+    if skip % tensor.element_size():  # mapped below its dtype's alignment: any copy will do
+        return tensor.clone()
+    out = raw[skip : skip + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+    return out.copy_(tensor)
+
+
 def _module_name(key: str, renamings: list[tuple[str, str]]) -> str:
     for source, target in renamings:
         key = re.sub(source, target, key)
@@ -191,7 +203,7 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
                     if name in expert_params or (name not in params and name not in buffers):
                         continue
                     target = params.get(name, buffers.get(name))
-                    tensor = f.get_tensor(key).to(target.dtype)
+                    tensor = _copy(f.get_tensor(key).to(target.dtype))
                     if tensor.shape != target.shape:
                         raise ModelError(f"{store.files[file]}: tensor '{key}' has shape "
                                          f"{list(tensor.shape)}, the model's {name} "

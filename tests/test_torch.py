@@ -1,6 +1,7 @@
 """The torch backend streams transformers MoE models exactly: equal to `from_pretrained`'s."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import mlx_moestream  # noqa: E402
 import mlx_moestream.torch as moestream_torch  # noqa: E402
 from mlx_moestream.budget import BudgetError  # noqa: E402
 from mlx_moestream.hub import ModelError  # noqa: E402
+from mlx_moestream.store import ExpertStore  # noqa: E402
 from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, make_tiny_hf_moe  # noqa: E402
 
 PROMPT = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -269,3 +271,19 @@ def test_a_checkpoint_missing_or_misshaping_an_expert_tensor_is_refused(hf_model
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError, match=re.escape(message)):
         moestream_torch.load(path, budget="100%")
+
+
+def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
+    """The store refuses expert reads from a changed file; the dense weights must not follow
+    the file either (every expert resident here: nothing is read again)."""
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")
+    model, _ = moestream_torch.load(path, budget="100%")
+    ids = torch.arange(3, 20)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+    norm = ExpertStore(path, drop_page_cache=False).tensors["model.norm.weight"]
+    with open(path / "model.safetensors", "r+b") as f:
+        f.seek(norm.offset)
+        f.write(bytes(norm.nbytes))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
