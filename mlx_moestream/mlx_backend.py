@@ -314,9 +314,8 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
     as stock mlx-lm reads its weights, and compute without host syncs (`ResidentExperts`);
     else stream (`StreamingExperts`), predicting each next layer's experts with that layer's
     router when `prefetch`. `progress(items, label)` may wrap the reads. With a distributed
-    `group`,
-    the runtime serves this host's experts (`ModelPlan.host_share`) and each module is wrapped
-    in `HostExperts`, whose exchanges time out after `timeout_seconds`."""
+    `group`, the runtime serves this host's experts (`ModelPlan.host_share`) and each module is
+    wrapped in `HostExperts`, whose exchanges time out after `timeout_seconds`."""
     found = [(layer.path, _get_path(model, layer.path)) for layer in runtime.plan.layers]
     for i, (path, module) in enumerate(found):
         for name, array in runtime.layer_pool[i].arrays.items():

@@ -409,9 +409,7 @@ class LayerCyclic(Policy):
         self.latest[layer], self.latest_set[layer], self.ranked[layer] = keys, current, None
         self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
-        heap = self.old[layer]  # `_note`, inlined: this is the hot path
-        self._value[layer] = min(least + self.bonus_latest,
-                                 (heap[0][0] if heap else _INF) + self.bonus_old)
+        self._note(layer)
 
     def warm(self, keys: list[int]) -> None:
         for key in keys:
@@ -445,8 +443,7 @@ class LayerCyclic(Policy):
             least = self.least_latest[position]  # all count as old
             if heap and heap[0][0] < least:
                 least = heap[0][0]
-            least += self.bonus_old
-            score[position] = self.layers / least if least else _INF  # `_score`, inlined
+            score[position] = _score(self.layers, least + self.bonus_old)
             layer = int(score.argmax())
             while True:
                 if score.item(layer) <= 0:
@@ -488,9 +485,7 @@ class LayerCyclic(Policy):
         state, count, bonus_old, in_heap = self.state, self.count, self.bonus_old, self.in_heap
         current = layer == self.position
         bonus = bonus_old if current else self.bonus_latest  # see `victims`
-        ranked = self.ranked[layer]
-        if ranked is None:
-            ranked = self.ranked[layer] = sorted(self.latest[layer], key=count.__getitem__)
+        ranked = self._ranked(layer)
         at, end = 0, len(ranked)
         heap, aside, latest = self.old[layer], [], self.latest_set[layer]
         old_value = heap[0][0] + bonus_old if heap else _INF  # at most the heap's least
@@ -519,7 +514,7 @@ class LayerCyclic(Policy):
             value = latest_value if from_latest else old_value
             if value == _INF:
                 break
-            score = distance / value if value else _INF  # `_score`, inlined
+            score = distance / value if value else _INF  # `_score`, inlined: per key
             if score < bar or (score == bar and not wins_ties):
                 break
             if from_latest:

@@ -269,8 +269,9 @@ class Runtime:
             done = end
 
     def _unmasked(self, layer: int, ids: np.ndarray) -> tuple[list[int], np.ndarray]:
-        """(the routed ids alone, flat, `ids` with masked ones (-1, or past the layer's
-        experts) pointing at a routed expert). On a list: a call names a handful of ids."""
+        """(the routed ids alone, a flat list, `ids` with masked ones (-1, or past the layer's
+        experts) pointing at a routed expert). A list: a decode call names a handful of ids,
+        and Python's min and max cost less than numpy's there."""
         num = self.plan.layers[layer].num_experts
         flat = ids.reshape(-1).tolist()
         if min(flat) >= 0 and max(flat) < num:
@@ -379,9 +380,9 @@ class Runtime:
             raise failed
 
     def _finish_unfinished(self, until: list | None = None) -> None:
-        """Finish the reads `route_chunks` started, in order, up to and including the group
-        `until` (all of them by default; a chunked call left before its end, by an error or
-        Ctrl-C, is finished by the next call). A failure finishes every one before it is
+        """Finish the reads a call left running (`route_chunks`' groups, `_load`'s), in order,
+        up to and including the group `until` (all of them by default; a call left before its
+        end, by an error or Ctrl-C, is finished by the next call). A failure finishes every one before it is
         raised: no read may land in a slot after it was given to another expert."""
         try:
             while self.unfinished:
@@ -490,7 +491,8 @@ class Runtime:
                         read = self.read(layer, expert, slot)
                     except BaseException as e:  # failed or cut short: the slot holds nothing
                         self.forget(layer, expert)
-                        self.stats.read_errors += isinstance(e, StoreError)
+                        if isinstance(e, StoreError):
+                            self.stats.read_errors += 1
                         raise
                     self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
                     nbytes += read[0]

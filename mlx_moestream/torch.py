@@ -203,7 +203,7 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
                     if name in expert_params or (name not in params and name not in buffers):
                         continue
                     target = params.get(name, buffers.get(name))
-                    tensor = _copy(f.get_tensor(key).to(target.dtype))
+                    tensor = _copy(f.get_tensor(key)).to(target.dtype)
                     if tensor.shape != target.shape:
                         raise ModelError(f"{store.files[file]}: tensor '{key}' has shape "
                                          f"{list(tensor.shape)}, the model's {name} "
