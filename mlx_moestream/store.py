@@ -246,6 +246,9 @@ class ExpertStore:
         self.model_dir = Path(model_dir)
         self.drop_page_cache = drop_page_cache
         self.files = weight_files(self.model_dir)
+        # what each file was before it was indexed: a read checks the file still is (see
+        # `_read_run`), so a rewrite even while the headers are read fails every read of it
+        self.identity = [(st.st_size, st.st_mtime_ns) for st in map(os.stat, self.files)]
         self.tensors: dict[str, TensorInfo] = {}
         for i, path in enumerate(self.files):
             for name, info in index_file(path, i).items():
@@ -270,10 +273,11 @@ class ExpertStore:
             except StoreError as e:
                 warnings.warn(f"ignoring the repacked experts: {e}", stacklevel=2)
             else:
-                self.files.append(folder / "experts.bin")
+                binary = folder / "experts.bin"
+                self.files.append(binary)
+                stat = binary.stat()  # its blocks are checked by crc32 as well
+                self.identity.append((stat.st_size, stat.st_mtime_ns))
                 self.repacked = {layer["name"]: layer for layer in manifest["layers"]}
-        # what each file was when indexed: a read checks the file still is (see `_read_run`)
-        self.identity = [(st.st_size, st.st_mtime_ns) for st in map(os.stat, self.files)]
 
     def add_layer(self, prefix: str, params: dict[str, tuple[tuple[int, ...], int]], num_experts: int,
                   share: range | None = None) -> int:
@@ -327,6 +331,12 @@ class ExpertStore:
                 raise StoreError(
                     f"{self.files[stacked.file]}: tensor '{key}' has shape "
                     f"{list(stacked.shape)}, expected {[num_experts, *shape]}"
+                )
+            if stacked.nbytes != nbytes * num_experts:  # another dtype: each read would be off
+                raise StoreError(
+                    f"{self.files[stacked.file]}: tensor '{key}' is {stacked.dtype} "
+                    f"({stacked.nbytes // num_experts} bytes per expert) where the model reads "
+                    f"{nbytes} bytes per expert: convert the experts to the model's dtype"
                 )
             offsets = stacked.offset + nbytes * np.arange(num_experts, dtype=np.int64)
             return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes, True)

@@ -1,10 +1,13 @@
 """The store finds each expert's bytes and reads exactly them."""
 
+import os
+
 import mlx_moestream
 import numpy as np
-from safetensors.numpy import load_file
+import pytest
+from safetensors.numpy import load_file, save_file
 
-from mlx_moestream.store import ExpertStore
+from mlx_moestream.store import ExpertStore, StoreError
 
 SHAPES = {"gate_proj.weight": (32, 64), "up_proj.weight": (32, 64), "down_proj.weight": (64, 32)}
 
@@ -87,3 +90,37 @@ def test_a_full_budget_load_reads_a_small_model_in_one_read_in_file_order(tiny_m
         for t in store.layers[layer]:
             start = int(t.offsets[0])
             assert dest[t.name].tobytes() == data[start : start + dest[t.name].nbytes]
+
+
+def test_a_stacked_expert_tensor_of_another_dtype_than_the_model_reads_is_refused(tiny_model):
+    """The shape matches, the bytes per expert do not: every read would take the wrong bytes."""
+    store = ExpertStore(tiny_model("qwen3_moe"))  # float32 experts
+    as_float16 = {name: (shape, nbytes // 2) for name, (shape, nbytes) in _params().items()}
+    with pytest.raises(StoreError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp\."
+                                         r"switch_mlp\.gate_proj\.weight' is F32 \(8192 bytes per "
+                                         r"expert\) where the model reads 4096"):
+        store.add_layer("model.layers.1.mlp.switch_mlp", as_float16, 8)
+
+
+def test_a_shard_rewritten_while_the_store_indexes_it_fails_every_read(model_copy, monkeypatch):
+    """Rewritten just after its header was read: the index holds the old offsets, so the file
+    must not pass for the one indexed."""
+    import mlx_moestream.store as store_module
+
+    path = model_copy()
+    tensors = load_file(path / "model.safetensors")
+    index_file = store_module.index_file
+
+    def rewritten_after_indexing(file, file_id):
+        index = index_file(file, file_id)
+        stat = file.stat()
+        save_file(dict(reversed(tensors.items())), file)  # the same tensors, other offsets
+        os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        return index
+
+    monkeypatch.setattr(store_module, "index_file", rewritten_after_indexing)
+    store = ExpertStore(path)
+    layer = store.add_layer("model.layers.1.mlp.switch_mlp", _params(), 8)
+    with pytest.raises(StoreError, match=r"model\.safetensors: changed on disk since the model was "
+                                         r"loaded"):
+        _read(store, layer, 5)
