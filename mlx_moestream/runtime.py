@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -470,43 +470,49 @@ class Runtime:
         good (leaving every layer room for one call's experts: `call_experts`).
         `progress(items, label)` is a context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
-        self.count_deferred()
-        picks, pins = [], []
-        for cache in self.caches:
-            hot, pinned = cache.prewarm_plan(profile, share, pin_share,
-                                               self.call_experts)
-            picks += hot
-            pins += pinned
-        picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
-        start, nbytes, loaded = time.perf_counter(), 0, 0
-        context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)
-        with context as items:
-            for layer, expert in items:
-                cache = self.layer_cache[layer]
-                with CRITICAL:
-                    slot = cache.admit(layer, expert)
-                    if slot is None:
-                        continue
-                    try:
-                        read = self.read(layer, expert, slot)
-                    except BaseException as e:  # failed or cut short: the slot holds nothing
-                        self.forget(layer, expert)
-                        if isinstance(e, StoreError):
-                            self.stats.read_errors += 1
-                        raise
-                    self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
-                    nbytes += read[0]
-                self.warm[layer] += 1
-                loaded += 1
-        for layer, expert in pins:
-            self.layer_cache[layer].pin(layer, expert)
-        self.prewarm_info = {"profile": profile.workload, "experts": loaded, "pinned": len(pins),
-                             "bytes": nbytes,
-                             "read_ms": (time.perf_counter() - start) * 1e3,
-                             "at_token": self.stats.tokens,
-                             "hits_before": int(self.stats.hits.sum()),
-                             "misses_before": int(self.stats.misses.sum())}
-        return self.prewarm_info
+        with self.lock:  # as a layer call: another thread's is never in between
+            self.count_deferred()
+            picks, pins = [], []
+            for cache in self.caches:
+                hot, pinned = cache.prewarm_plan(profile, share, pin_share, self.call_experts)
+                picks += hot
+                pins += pinned
+            picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
+            start = time.perf_counter()
+            context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)
+            with context as items:
+                loaded, nbytes = self._prewarm_reads(items)
+            for layer, expert in pins:
+                self.layer_cache[layer].pin(layer, expert)
+            self.prewarm_info = {"profile": profile.workload, "experts": loaded,
+                                 "pinned": len(pins), "bytes": nbytes,
+                                 "read_ms": (time.perf_counter() - start) * 1e3,
+                                 "at_token": self.stats.tokens,
+                                 "hits_before": int(self.stats.hits.sum()),
+                                 "misses_before": int(self.stats.misses.sum())}
+            return self.prewarm_info
+
+    def _prewarm_reads(self, picks: Iterable[tuple[int, int]]) -> tuple[int, int]:
+        """Read each (layer, expert) that still gets a free slot; returns (experts, bytes)."""
+        loaded = nbytes = 0
+        for layer, expert in picks:
+            cache = self.layer_cache[layer]
+            with CRITICAL:
+                slot = cache.admit(layer, expert)
+                if slot is None:
+                    continue
+                try:
+                    read = self.read(layer, expert, slot)
+                except BaseException as e:  # failed or cut short: the slot holds nothing
+                    self.forget(layer, expert)
+                    if isinstance(e, StoreError):
+                        self.stats.read_errors += 1
+                    raise
+                self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
+                nbytes += read[0]
+            self.warm[layer] += 1
+            loaded += 1
+        return loaded, nbytes
 
     def profile(self, workload: str) -> Profile:
         """This session's routing so far, to pre-warm later sessions of the same workload."""

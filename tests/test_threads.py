@@ -35,3 +35,22 @@ def test_two_threads_generating_on_one_model_both_match_stock(tiny_model, refere
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
     # every token of every generation is counted: 2 threads x 2 runs x (64 + 16), then 64 + 32
     assert mlx_moestream.stats(model)["tokens"] == 4 * 80 + 96
+
+
+def test_a_prewarm_waits_for_another_threads_layer_call(tiny_model):
+    """A layer call holds the runtime's lock from its routing to its compute: a pre-warm from
+    another thread in between would take slots and change the policy under it."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    greedy_logits(model, decode_tokens=4)
+    profile = mlx_moestream.profile(model, "chat")
+    model, _ = mlx_moestream.load(path, budget="25%")
+    runtime = model.moestream
+    with runtime.lock:  # as a layer call of this thread does
+        prewarm = threading.Thread(target=mlx_moestream.prewarm, args=(model, profile))
+        prewarm.start()
+        prewarm.join(timeout=0.5)
+        assert prewarm.is_alive()
+        assert runtime.stats.loads.sum() == 0
+    prewarm.join()
+    assert runtime.stats.loads.sum() > 0
