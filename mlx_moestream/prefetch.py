@@ -76,20 +76,32 @@ class Prefetch:
         return predicted < PREFETCH_WARMUP or self.gate_routed[layer] >= PREFETCH_MIN_USEFUL * predicted
 
     def wait(self, layer: int) -> None:
-        """Finish the reads in flight before any slot may be reused; a failed one is forgotten,
-        so a real need reads it again and reports the error."""
-        runtime, stats = self.runtime, self.runtime.stats
+        """Finish the reads in flight before any slot may be reused, counting each once. A
+        failed one is forgotten, so a real need reads it again (and reports a StoreError);
+        an error of another kind is raised once. An interrupt while a read runs leaves it in
+        flight, for the next call to finish."""
+        runtime, stats, reads = self.runtime, self.runtime.stats, self.reads
         start = time.perf_counter()
-        for owner, expert, read in self.reads:
-            try:
-                runtime.count_read(owner, *read.result())
+        try:
+            while reads:
+                owner, expert, read = reads[0]
+                try:
+                    result = read.result()
+                except BaseException as e:
+                    if not read.done():
+                        raise
+                    reads.pop(0)
+                    runtime.forget(owner, expert)
+                    self.prefetched.get(owner, set()).discard(expert)
+                    if not isinstance(e, StoreError):
+                        raise
+                    stats.read_errors += 1
+                    continue
+                reads.pop(0)
+                runtime.count_read(owner, *result)
                 stats.prefetch_loads[owner] += 1
-            except StoreError:
-                runtime.forget(owner, expert)
-                self.prefetched.get(owner, set()).discard(expert)
-                stats.read_errors += 1
-        self.reads = []
-        stats.stall_seconds[layer] += time.perf_counter() - start
+        finally:
+            stats.stall_seconds[layer] += time.perf_counter() - start
 
     def score(self, layer: int, experts: list[int]) -> None:
         """Count how the prediction for this call did, for the statistics and the gate of

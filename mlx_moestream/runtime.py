@@ -353,25 +353,26 @@ class Runtime:
 
     def _finish(self, layer: int, reads: list[tuple[int, Future | Callable]]) -> None:
         """Wait for the reads of `layer`'s experts (`(expert, future)`), or make them (`(expert,
-        read)`), counting each as it ends and taking it off `reads`; a failed one is
-        forgotten, and the first failure raised once all have ended. Anything else raised
-        while waiting forgets a read made here (cut short) and leaves a future in `reads`."""
+        read)`), counting each as it ends and taking it off `reads`. A read that ended in an
+        error is forgotten: a StoreError is raised once all have ended, anything else at once
+        (a read made here and cut short ended in it). An interrupt while a future runs leaves
+        it in `reads`, for the next call to finish."""
         start, failed = time.perf_counter(), None
         try:
             while reads:
                 expert, read = reads[0]
                 try:
                     result = read.result() if isinstance(read, Future) else read()
-                except StoreError as e:
+                except BaseException as e:
+                    if isinstance(read, Future) and not read.done():
+                        raise
                     self.forget(layer, expert)  # then off the list: forgetting twice is safe
+                    reads.pop(0)
+                    if not isinstance(e, StoreError):
+                        raise
                     failed = failed or e
-                except BaseException:
-                    if not isinstance(read, Future):
-                        self.forget(layer, expert)
-                        reads.pop(0)
-                    raise
-                else:
-                    self.count_read(layer, *result)
+                    continue
+                self.count_read(layer, *result)
                 reads.pop(0)
         finally:
             self.stats.stall_seconds[layer] += time.perf_counter() - start

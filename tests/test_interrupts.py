@@ -105,6 +105,38 @@ def test_a_read_cut_short_by_any_exception_leaves_no_stale_slot(tiny_model, refe
                for a, b in zip(greedy_logits(model), reference(path)))
 
 
+@pytest.mark.parametrize("reader", ["prompt", "prefetch"])
+def test_a_read_in_the_background_failing_with_any_error_fails_one_call_and_the_next_are_exact(
+        tiny_model, reference, monkeypatch, reader):
+    """A background read (a prompt's pipelined reads, a prefetch) that raises what is not a
+    StoreError (MemoryError, a backend's copy error): its expert is forgotten and the error
+    raised once; it must not stay in flight, raised again by every later call."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%", prefetch=reader == "prefetch")
+    greedy_logits(model)  # the cache full: the failed expert takes a slot another held
+    runtime = model.moestream
+    original, armed, failed = runtime.read, threading.Event(), threading.Event()
+    if reader == "prefetch":  # armed once a decode step predicts: the next reads are prefetches
+        after = runtime.prefetch.after
+        monkeypatch.setattr(runtime.prefetch, "after", lambda *a: (armed.set(), after(*a))[1])
+    else:
+        armed.set()
+
+    def failing(*args):
+        if (armed.is_set() and threading.current_thread() is not threading.main_thread()
+                and not failed.is_set()):
+            failed.set()
+            raise MemoryError("out of memory in a copy")
+        return original(*args)
+
+    monkeypatch.setattr(runtime, "read", failing)
+    with pytest.raises(MemoryError):
+        greedy_logits(model, decode_tokens=8)
+    monkeypatch.undo()
+    assert all(mx.array_equal(a, b).item()
+               for a, b in zip(greedy_logits(model), reference(path)))
+
+
 def test_an_expert_forgotten_twice_frees_its_slot_once(tiny_model):
     """A read group finished again after an interrupt forgets a failed expert a second time:
     its slot must not go back to the free list twice (nor slot -1, the pool's last)."""
