@@ -4,7 +4,8 @@ Between giving an expert a slot and filling that slot, an interrupt would leave 
 marked resident over another expert's bytes, and every later token could be wrong. The runtime
 runs such steps inside `critical()`: a SIGINT that arrives there is delivered when the step
 ends, a few milliseconds later, wherever the caller expects it (`chat` goes on with the same
-model). Signals reach only the main thread, so only its steps defer them.
+model). Signals reach only the main thread, so only its steps defer them. A handler set after
+ours (Jupyter sets one before every cell) is swapped out for the step, ours standing in.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ class _Deferral:
     depth = 0  # critical steps the main thread is inside
     pending: tuple | None = None  # (signum, frame) of a SIGINT that arrived inside one
     previous = None  # the handler ours wraps
+    replaced = None  # a handler set after ours, swapped out for the current step
 
 
 def install_handler() -> None:
     """Route SIGINT through the deferral. Only from the main thread, and only over a Python
-    handler (the default raises KeyboardInterrupt); a handler set later replaces ours."""
+    handler (the default raises KeyboardInterrupt); a handler set later replaces ours but for
+    critical steps."""
     if threading.get_ident() != _MAIN:
         return
     current = signal.getsignal(signal.SIGINT)
@@ -37,7 +40,7 @@ def _on_sigint(signum, frame) -> None:
     if _Deferral.depth:
         _Deferral.pending = (signum, frame)
     else:
-        _Deferral.previous(signum, frame)
+        (_Deferral.replaced or _Deferral.previous)(signum, frame)
 
 
 class critical:
@@ -46,19 +49,29 @@ class critical:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        if threading.get_ident() == _MAIN:
-            _Deferral.depth += 1
+        if threading.get_ident() != _MAIN:
+            return
+        if not _Deferral.depth:
+            current = signal.getsignal(signal.SIGINT)
+            if current is not _on_sigint and callable(current):
+                _Deferral.replaced = current  # first: a SIGINT from here on reaches it
+                signal.signal(signal.SIGINT, _on_sigint)
+        _Deferral.depth += 1
 
     def __exit__(self, *exc) -> None:
         if threading.get_ident() != _MAIN:
             return
-        pending = _Deferral.pending if _Deferral.depth == 1 else None
+        if _Deferral.depth > 1:
+            _Deferral.depth -= 1
+            return
+        pending, _Deferral.pending = _Deferral.pending, None  # a later SIGINT is raised at once
+        _Deferral.depth = 0
+        handler = _Deferral.replaced or _Deferral.previous
+        if _Deferral.replaced is not None:
+            signal.signal(signal.SIGINT, handler)
+            _Deferral.replaced = None
         if pending:
-            _Deferral.pending = None  # before the step ends: a later SIGINT is raised at once
-        _Deferral.depth -= 1
-        if pending:
-            _Deferral.pending = None
-            _Deferral.previous(*pending)
+            handler(*pending)
 
 
 CRITICAL = critical()

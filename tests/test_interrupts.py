@@ -50,10 +50,13 @@ def test_generations_after_interrupts_at_random_points_equal_stock(tiny_model, r
     assert hits >= 8  # most land mid-generation, fewer on a busy machine
 
 
+@pytest.mark.parametrize("handler", ["ours", "another set after load"])
 @pytest.mark.parametrize("step", ["read", "policy update"])
-def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, monkeypatch, step):
+def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, monkeypatch, step,
+                                                         handler):
     """SIGINT raised while an expert is read into its slot, or while the policy learns of the
-    call's misses: it is delivered, and the next generation is still exact."""
+    call's misses (their slots given, not yet read): it is delivered, and the next generation
+    is still exact, also under a SIGINT handler set after load (Jupyter sets one per cell)."""
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="25%")
     runtime = model.moestream
@@ -67,8 +70,16 @@ def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, 
         return original(*args)
 
     monkeypatch.setattr(owner, name, interrupting)
-    with pytest.raises(KeyboardInterrupt):
-        greedy_logits(model, decode_tokens=8)
+    previous = signal.getsignal(signal.SIGINT)
+    if handler != "ours":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            greedy_logits(model, decode_tokens=8)
+        if handler != "ours":  # swapped back once the step ended
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.undo()
     assert all(mx.array_equal(a, b).item()
                for a, b in zip(greedy_logits(model), reference(path)))
