@@ -184,6 +184,8 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
     """Give the model every checkpoint tensor that is not an expert's; returns the dense bytes.
     Parameters become the tensors safetensors maps from the files, as `from_pretrained` does:
     their addresses (alignment) then match the loaded model's, and CPU kernels round alike.
+    They require grad, as `from_pretrained`'s do: torch.matmul folds a non-contiguous 3-D input
+    one way or another by that flag, even under no_grad, and the two ways round differently.
     A parameter the checkpoint lacks is an error (tied ones excepted)."""
     renamings = _renamings(lm.config)
     params = dict(lm.named_parameters())
@@ -210,8 +212,7 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
                                          f"{list(target.shape)}")
                     if name in params:
                         owner, attr = name.rsplit(".", 1)
-                        setattr(lm.get_submodule(owner), attr,
-                                torch.nn.Parameter(tensor, requires_grad=False))
+                        setattr(lm.get_submodule(owner), attr, torch.nn.Parameter(tensor))
                     else:
                         target.copy_(tensor)
                     loaded.add(name)
@@ -295,7 +296,7 @@ def _rows(module: torch.nn.Module, experts: _Experts, store: ExpertStore, specs:
         offset = _row_offset(store, experts, name)
         tensor, buffer = _mapped(param.shape, param.dtype, offset)
         maps.append((buffer, offset, tensor.nbytes // param.shape[0]))
-        setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
+        setattr(module, name, torch.nn.Parameter(tensor))
         views[name] = tensor.view(torch.uint8).numpy()  # [E, ..., bytes]
     out, filled = {}, dict.fromkeys(params, 0)
     for stored, (shape, _, nbytes) in specs.items():

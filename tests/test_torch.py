@@ -83,6 +83,21 @@ def test_torch_backend_matches_the_loaded_model_bit_for_bit(hf_model, hf_referen
     assert (stats["evictions"] > 0) == (budget != "100%")
 
 
+@pytest.mark.parametrize("budget", ["25%", "100%"])
+def test_a_padded_batch_generates_as_the_loaded_model_bit_for_bit(hf_model, budget):
+    """Two prompts, one left-padded: the first step's lm_head takes a non-contiguous input,
+    which torch.matmul computes by another path when the weight does not require grad."""
+    path = hf_model("qwen3_moe")
+    prompts = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = prompts[1, :4] = 0
+    expected = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, _ = moestream_torch.load(path, budget=budget)
+    got, want = (m.generate(prompts, attention_mask=mask, **DECODE) for m in (model, expected))
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
 def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference):
     """Negative control: the same experts in a permuted [E, ...] pool, ids remapped to it (what
     a compact slot pool does), change float32 grouped_mm's sums, and the test above sees it."""
