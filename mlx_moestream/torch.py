@@ -401,8 +401,17 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     forward = module.forward
     num_experts = runtime.plan.layers[layer].num_experts
     top_k = runtime.plan.top_k
+    # the memory reads land in: `model.to(...)`, `.half()` and the like copy the experts out
+    # of it, and the copies would never be read into
+    where = [(name, param.data_ptr()) for name, param in _expert_params(module)]
 
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
+        for name, address in where:
+            if getattr(module, name).data_ptr() != address:
+                raise ModelError(
+                    f"layer {layer}: the experts' '{name}' was moved or converted after load "
+                    "(model.to, .half, ...), which streaming cannot follow: the experts are "
+                    "read in the checkpoint's dtype on the CPU")
         with runtime.lock:
             ids = top_k_index.detach().to("cpu").numpy()
             if runtime.route(layer, ids) is None:
@@ -423,10 +432,11 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
 def _router(block: torch.nn.Module, num_experts: int
             ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The routing logits of a MoE block (its child with one weight row per expert, and the
-    bias it adds, if any), or None. Used to predict only: the model routes as it always does."""
+    bias it adds, if any), or None. Used to predict only: the model routes as it always does.
+    Computed in the weight's dtype: some models keep their router in float32 (DeepSeek-V3)."""
     for child in block.children():
         weight = getattr(child, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 2 and len(weight) == num_experts:
             bias = getattr(child, "bias", None)
-            return lambda x, w=weight, b=bias: torch.nn.functional.linear(x, w, b)
+            return lambda x, w=weight, b=bias: torch.nn.functional.linear(x.to(w.dtype), w, b)
     return None

@@ -98,6 +98,16 @@ def test_a_padded_batch_generates_as_the_loaded_model_bit_for_bit(hf_model, budg
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
 
 
+@pytest.mark.parametrize("convert", ["to(bfloat16)", "half()"])
+def test_converting_a_streamed_model_after_load_is_refused_at_its_next_call(hf_model, convert):
+    """The experts' copies would never be read into: every non-resident expert zeros."""
+    model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
+    model.to(torch.bfloat16) if convert.startswith("to") else model.half()
+    with pytest.raises(ModelError, match=r"layer 0: the experts' 'gate_up_proj' was moved or "
+                                         r"converted after load \(model\.to, \.half, \.\.\.\)"):
+        model.generate(PROMPT, **DECODE)
+
+
 def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference):
     """Negative control: the same experts in a permuted [E, ...] pool, ids remapped to it (what
     a compact slot pool does), change float32 grouped_mm's sums, and the test above sees it."""
@@ -126,13 +136,17 @@ def test_a_budget_below_one_layer_of_experts_is_a_clear_error(hf_model):
         moestream_torch.load(path, budget=need - 1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: a router with a bias
+@pytest.mark.parametrize("arch, dtype", [
+    ("qwen3_moe", "float32"),
+    ("gpt_oss", "float32"),  # a router with a bias
+    ("deepseek_v3", "bfloat16"),  # a float32 router under bfloat16 hidden states
+])
 def test_prefetch_reads_each_next_layers_predicted_experts_and_stays_exact(hf_model, hf_reference,
-                                                                          arch):
-    path = hf_model(arch)
+                                                                          arch, dtype):
+    path = hf_model(arch, dtype=dtype)
     model, _ = moestream_torch.load(path, budget=moestream_torch.min_budget_bytes(path),
                                     prefetch=True)
-    assert_equal_runs(run(model), hf_reference(path, torch.float32))
+    assert_equal_runs(run(model), hf_reference(path, getattr(torch, dtype)))
     stats = mlx_moestream.stats(model)
     assert stats["prefetch"] and stats["prefetch_loads"] > 0 and stats["prediction_precision"] > 0
 
