@@ -134,9 +134,9 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     history: list[dict] = []
 
     def answer(text: str) -> None:
-        history.append({"role": "user", "content": text})
-        text, timing = reply(history)
-        history.append({"role": "assistant", "content": text})
+        message = {"role": "user", "content": text}
+        text, timing = reply([*history, message])  # an answer cut short leaves no trace
+        history.extend([message, {"role": "assistant", "content": text}])
         click.echo(format_stats(session.stats(lm), timing))
         if distributed:
             click.echo(_format_hosts(loader.host_stats(lm)))

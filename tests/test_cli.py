@@ -86,3 +86,26 @@ def test_chat_statistics_say_what_they_count(tiny_model, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "experts, session so far: hit rate" in out.stdout
     assert "prefetch: " in out.stdout and "before -" not in out.stdout
+
+
+def test_a_chat_answer_interrupted_by_ctrl_c_leaves_no_message_in_the_history(tiny_model):
+    """The next prompt is the new message alone, as in a fresh chat: an unanswered message
+    left behind would put two user turns in a row, which many chat templates refuse."""
+    import re
+    import signal
+
+    proc = subprocess.Popen([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "2000"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdin.write("hello\n")
+    proc.stdin.flush()
+    seen = ""
+    while ">>> " not in seen[:-20]:  # the prompt, then 20 characters of the streamed answer
+        seen += proc.stdout.read(1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate("again\n\n", timeout=120)
+    assert proc.returncode == 0, err
+    assert "[interrupted]" in out
+    fresh = run("chat", "-m", tiny_model("qwen3_moe"), "--prompt", "again", "-n", 4)
+    prompt_tokens = re.compile(r"\[(\d+) prompt tokens")
+    assert prompt_tokens.findall(out) == prompt_tokens.findall(fresh.stdout)
