@@ -5,6 +5,7 @@ import itertools
 import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +34,20 @@ def _interrupted(model, delay: float) -> bool:
     return not completed
 
 
+@contextmanager
+def _sigint_handler(handler):
+    """`handler` set for SIGINT after load, as Jupyter sets its own before every cell."""
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _equals_stock(model, expected) -> bool:
+    return all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_generations_after_interrupts_at_random_points_equal_stock(tiny_model, reference,
                                                                    prefetch):
@@ -46,7 +61,7 @@ def test_generations_after_interrupts_at_random_points_equal_stock(tiny_model, r
     hits = 0
     for _ in range(40):
         hits += _interrupted(model, rng.uniform(0, 0.8 * span))
-        assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
+        assert _equals_stock(model, expected)
     assert hits >= 8  # most land mid-generation, fewer on a busy machine
 
 
@@ -70,19 +85,14 @@ def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, 
         return original(*args)
 
     monkeypatch.setattr(owner, name, interrupting)
-    previous = signal.getsignal(signal.SIGINT)
-    if handler != "ours":
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    set_after_load = signal.default_int_handler if handler != "ours" else signal.getsignal(
+        signal.SIGINT)
+    with _sigint_handler(set_after_load):
         with pytest.raises(KeyboardInterrupt):
             greedy_logits(model, decode_tokens=8)
-        if handler != "ours":  # swapped back once the step ended
-            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        assert signal.getsignal(signal.SIGINT) is set_after_load  # swapped back after the step
     monkeypatch.undo()
-    assert all(mx.array_equal(a, b).item()
-               for a, b in zip(greedy_logits(model), reference(path)))
+    assert _equals_stock(model, reference(path))
 
 
 @pytest.mark.parametrize("fault", ["Ctrl-C under another SIGINT handler", "OSError"])
@@ -105,15 +115,10 @@ def test_a_read_cut_short_by_any_exception_leaves_no_stale_slot(tiny_model, refe
         return original(*args)
 
     monkeypatch.setattr(runtime.store, "read_expert", failing)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises((KeyboardInterrupt, OSError)):
-            greedy_logits(model, decode_tokens=8)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with _sigint_handler(signal.default_int_handler), pytest.raises((KeyboardInterrupt, OSError)):
+        greedy_logits(model, decode_tokens=8)
     monkeypatch.undo()
-    assert all(mx.array_equal(a, b).item()
-               for a, b in zip(greedy_logits(model), reference(path)))
+    assert _equals_stock(model, reference(path))
 
 
 @pytest.mark.parametrize("reader", ["prompt", "prefetch"])
@@ -144,8 +149,7 @@ def test_a_read_in_the_background_failing_with_any_error_fails_one_call_and_the_
     with pytest.raises(MemoryError):
         greedy_logits(model, decode_tokens=8)
     monkeypatch.undo()
-    assert all(mx.array_equal(a, b).item()
-               for a, b in zip(greedy_logits(model), reference(path)))
+    assert _equals_stock(model, reference(path))
 
 
 def test_an_expert_forgotten_twice_frees_its_slot_once(tiny_model):
