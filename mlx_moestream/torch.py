@@ -100,6 +100,7 @@ def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None
     config = AutoConfig.from_pretrained(path)
     if experts_implementation:
         config._experts_implementation = experts_implementation
+    _refuse_conversions(path, config, store)
     experts = _experts_modules(path, config, store)
     with init.no_init_weights():  # no weight is written, so none takes memory yet
         lm = AutoModelForCausalLM.from_config(config, dtype=experts[0].dtype)
@@ -128,6 +129,29 @@ def _renamings(config) -> list[tuple[str, str]]:
     return [(t.source_patterns[0], t.target_patterns[0])
             for t in get_checkpoint_conversion_mapping(config.model_type) or []
             if isinstance(t, WeightRenaming)]
+
+
+# The conversions transformers makes at load that are done here: per-expert tensors stacked,
+# gate and up joined.
+MERGES = {"MergeModulelist", "Concatenate"}
+
+
+def _refuse_conversions(path: Path, config, store: ExpertStore) -> None:
+    """Refuse a checkpoint with a tensor transformers converts at load beyond `MERGES` (a
+    transpose, an interleave...): the dense weights are copied and the experts read as stored,
+    so it would compute wrongly, with no error where its matrix is square."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    for t in get_checkpoint_conversion_mapping(config.model_type) or []:
+        ops = [type(op).__name__ for op in getattr(t, "operations", [])]
+        if not isinstance(t, WeightConverter) or not set(ops) - MERGES:
+            continue
+        for key in store.tensors:
+            if t.compiled_sources.search(key):
+                raise ModelError(f"{path}: transformers converts '{key}' at load "
+                                 f"({', '.join(ops)}), which the torch backend does not: "
+                                 f"{config.model_type} checkpoints are not supported")
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:

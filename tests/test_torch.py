@@ -302,6 +302,30 @@ def test_a_checkpoint_missing_or_misshaping_an_expert_tensor_is_refused(hf_model
         moestream_torch.load(path, budget="100%")
 
 
+def test_a_checkpoint_whose_tensors_transformers_transposes_at_load_is_refused(hf_model):
+    """transformers converts some models' expert tensors at load (nemo_speechlm's are
+    transposed): read as stored, a square one (this model's `gate_up_proj`, [256, 256])
+    computes wrongly with no error. Here such a converter is registered for the tiny
+    qwen3_moe."""
+    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                 register_checkpoint_conversion_mapping)
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    path = hf_model("qwen3_moe", fused=True)
+    own = get_checkpoint_conversion_mapping("qwen3_moe")
+    transpose = WeightConverter(source_patterns="mlp.experts.gate_up_proj",
+                                target_patterns="mlp.experts.gate_up_proj",
+                                operations=[Transpose(1, 2)])
+    register_checkpoint_conversion_mapping("qwen3_moe", [*own, transpose], overwrite=True)
+    try:
+        with pytest.raises(ModelError, match=re.escape(
+                "transformers converts 'model.layers.0.mlp.experts.gate_up_proj' at load "
+                "(Transpose), which the torch backend does not")):
+            moestream_torch.load(path, budget="100%")
+    finally:
+        register_checkpoint_conversion_mapping("qwen3_moe", own, overwrite=True)
+
+
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
     """The store refuses expert reads from a changed file; the dense weights must not follow
     the file either (every expert resident here: nothing is read again)."""
