@@ -322,9 +322,18 @@ class ExpertStore:
 
     def _locate(self, prefix, name, shape, nbytes, num_experts) -> ExpertTensor:
         parent = prefix.rsplit(".", 1)[0]
+        proj, param = name.split(".", 1)
         # stacked as mlx-community names them, or fused as transformers 5 saves them
-        key = next((k for k in (f"{prefix}.{name}", f"{parent}.experts.{name}")
-                    if k in self.tensors), None)
+        stacked_keys = (f"{prefix}.{name}", f"{parent}.experts.{name}")
+        first_expert = [f"{parent}.experts.0.{alias}.{param}"
+                        for alias in PER_EXPERT_NAMES.get(proj, (proj,))]
+        forms = [k for k in (*stacked_keys, *first_expert) if k in self.tensors]
+        if len(forms) > 1:  # a leftover of another conversion: which one is the model's?
+            raise StoreError(
+                f"{self.model_dir}: expert tensor '{prefix}.{name}' is stored twice, as "
+                + " and as ".join(f"'{k}' ({self.files[self.tensors[k].file].name})"
+                                  for k in forms) + ": remove the stale shard")
+        key = next((k for k in stacked_keys if k in self.tensors), None)
         stacked = self.tensors.get(key)
         if stacked is not None:
             if stacked.shape != (num_experts, *shape):
@@ -340,7 +349,6 @@ class ExpertStore:
                 )
             offsets = stacked.offset + nbytes * np.arange(num_experts, dtype=np.int64)
             return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes, True)
-        proj, param = name.split(".", 1)
         for alias in PER_EXPERT_NAMES.get(proj, (proj,)):
             keys = [f"{parent}.experts.{e}.{alias}.{param}" for e in range(num_experts)]
             if keys[0] in self.tensors:

@@ -1,6 +1,7 @@
 """The store finds each expert's bytes and reads exactly them."""
 
 import os
+import re
 
 import mlx_moestream
 import numpy as np
@@ -100,6 +101,20 @@ def test_a_stacked_expert_tensor_of_another_dtype_than_the_model_reads_is_refuse
                                          r"switch_mlp\.gate_proj\.weight' is F32 \(8192 bytes per "
                                          r"expert\) where the model reads 4096"):
         store.add_layer("model.layers.1.mlp.switch_mlp", as_float16, 8)
+
+
+def test_experts_stored_both_stacked_and_per_expert_are_refused(tiny_model, model_copy):
+    """A shard left over from another conversion: mlx-lm stacks the per-expert tensors over the
+    stacked ones, so reading the stacked ones would compute other experts than stock's."""
+    path = model_copy("qwen3_moe", layout="per_expert")
+    other = load_file(tiny_model("qwen3_moe", seed=1) / "model.safetensors")
+    save_file({k: v for k, v in other.items() if ".switch_mlp." in k},
+              path / "model-stale.safetensors")
+    with pytest.raises(StoreError, match=re.escape(
+            "expert tensor 'model.layers.0.mlp.switch_mlp.gate_proj.weight' is stored twice, as "
+            "'model.layers.0.mlp.switch_mlp.gate_proj.weight' (model-stale.safetensors) and as "
+            "'model.layers.0.mlp.experts.0.gate_proj.weight' (model.safetensors)")):
+        mlx_moestream.load(path, budget="100%")
 
 
 def test_a_shard_rewritten_while_the_store_indexes_it_fails_every_read(model_copy, monkeypatch):
