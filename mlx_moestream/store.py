@@ -322,11 +322,11 @@ class ExpertStore:
 
     def _locate(self, prefix, name, shape, nbytes, num_experts) -> ExpertTensor:
         parent = prefix.rsplit(".", 1)[0]
-        proj, param = name.split(".", 1)
+        proj, _, param = name.partition(".")  # a fused name (`gate_up_proj`) has no param
         # stacked as mlx-community names them, or fused as transformers 5 saves them
         stacked_keys = (f"{prefix}.{name}", f"{parent}.experts.{name}")
         first_expert = [f"{parent}.experts.0.{alias}.{param}"
-                        for alias in PER_EXPERT_NAMES.get(proj, (proj,))]
+                        for alias in PER_EXPERT_NAMES.get(proj, (proj,)) if param]
         forms = [k for k in (*stacked_keys, *first_expert) if k in self.tensors]
         if len(forms) > 1:  # a leftover of another conversion: which one is the model's?
             raise StoreError(
