@@ -102,6 +102,13 @@ def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None
         config._experts_implementation = experts_implementation
     _refuse_conversions(path, config, store)
     experts = _experts_modules(path, config, store)
+    wanted = config.dtype  # what `from_pretrained` computes in, converting the weights to it
+    if isinstance(wanted, str):
+        wanted = getattr(torch, wanted, None)
+    if isinstance(wanted, torch.dtype) and wanted != experts[0].dtype:
+        raise ModelError(f"{path}: config.json's dtype is {str(wanted).split('.')[-1]} but the "
+                         f"experts are stored as {experts[0].dtype_name}: the torch backend "
+                         "computes in the stored dtype; convert the checkpoint or its config")
     with init.no_init_weights():  # no weight is written, so none takes memory yet
         lm = AutoModelForCausalLM.from_config(config, dtype=experts[0].dtype)
     lm.eval()

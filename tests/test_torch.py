@@ -326,6 +326,20 @@ def test_a_checkpoint_whose_tensors_transformers_transposes_at_load_is_refused(h
         register_checkpoint_conversion_mapping("qwen3_moe", own, overwrite=True)
 
 
+def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_path):
+    """`from_pretrained` computes in config.json's dtype, converting the weights; the experts
+    stream as stored, so the output would differ from its with no error."""
+    import json
+
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")  # float32
+    config = json.loads((path / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    with pytest.raises(ModelError, match="config.json's dtype is bfloat16 but the experts are "
+                                         "stored as float32"):
+        moestream_torch.load(path, budget="100%")
+
+
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
     """The store refuses expert reads from a changed file; the dense weights must not follow
     the file either (every expert resident here: nothing is read again)."""
