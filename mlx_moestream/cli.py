@@ -88,6 +88,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     """Chat with a model; tokens stream as generated, cache statistics follow each answer."""
     from . import session
     from .profiles import save_target
+    from .trace import check_save_target
 
     to_load = [name for action, name in profiles if action == "load"]
     to_save = [name for action, name in profiles if action == "save"]
@@ -104,6 +105,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         targets = [save_target(name) for name in to_save]
         if trace_path:
             _check_writable(Path(trace_path))
+            check_save_target(trace_path)
         profile = to_load[0] if to_load else None
         if backend == "torch":
             try:
@@ -426,6 +428,8 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
     if plot and not sweep:
         raise click.UsageError("--plot draws the --sweep: give both")
     try:
+        if plot:  # checked before the sweep, not found unwritable after it
+            rp.check_plot_target(plot)
         trace = Trace.load(trace_path)
         profile = None
         if profile_name:

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .cache import ExpertCache, split_slots
+from .files import atomic_write
 from .policies import Belady, Future, Policy
 from .profiles import Profile
 from .stats import Stats
@@ -154,6 +155,29 @@ def fits(trace: Trace, capacity: int | float, per_layer: bool | Sequence[float] 
     return True
 
 
+PNG = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file
+
+
+def check_plot_target(path: str | Path) -> None:
+    """A plot is a .png in an existing folder; an existing file is replaced only if it is a
+    PNG (never a file this tool cannot have written)."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{path}: plots are written as PNG: give a .png path")
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot write {path}: no folder {path.parent}")
+    if path.exists():
+        with open(path, "rb") as f:
+            if f.read(len(PNG)) != PNG:
+                raise ValueError(f"refusing to replace {path}: it is not a PNG image")
+
+
+def save_png(fig, path: str | Path) -> None:
+    """Write a matplotlib figure atomically (see `check_plot_target`)."""
+    check_plot_target(path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
+
+
 def plot_sweep(results: list[dict], path: str | Path) -> bool:
     """Write hit rate against capacity, one line per policy, as a PNG at `path`.
 
@@ -173,7 +197,7 @@ def plot_sweep(results: list[dict], path: str | Path) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     return True
 
 

@@ -90,8 +90,9 @@ class Trace:
         return cls(**fields, extras=arrays)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the trace atomically (see `files.atomic_write`)."""
+        """Write the trace atomically (see `files.atomic_write`); see `check_save_target`."""
         path = Path(path)
+        check_save_target(path)
         arrays = {"experts": self.experts, "num_experts": np.int64(self.num_experts)}
         if self.weights is not None:
             arrays["weights"] = self.weights
@@ -224,6 +225,15 @@ def synthetic_trace(
     chosen = np.take_along_axis(popularity, experts, axis=2)
     weights = (chosen / chosen.sum(axis=2, keepdims=True)).astype(np.float16)
     return Trace(experts.astype(np.int16), num_experts, weights, segment_id)
+
+
+def check_save_target(path: str | os.PathLike) -> None:
+    """An existing file is replaced only if it is a trace: never a file this tool did not write."""
+    if os.path.lexists(path):
+        try:
+            Trace.load(path)
+        except TraceError:
+            raise TraceError(f"refusing to replace {path}: it is not a routing trace") from None
 
 
 def _check_sizes(path, data: np.lib.npyio.NpzFile) -> None:

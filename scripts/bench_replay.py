@@ -23,9 +23,9 @@ import click
 # Run from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_moestream.files import atomic_write, atomic_write_text  # noqa: E402
+from mlx_moestream.files import atomic_write_text  # noqa: E402
 from mlx_moestream.policies import DEFAULT_POLICY  # noqa: E402
-from mlx_moestream.replay import fits, sweep  # noqa: E402
+from mlx_moestream.replay import check_plot_target, fits, save_png, sweep  # noqa: E402
 from mlx_moestream.trace import Trace  # noqa: E402
 
 ONLINE = ["lru", "lfu", "slru", "wlfu", DEFAULT_POLICY]
@@ -101,7 +101,7 @@ def plot(results: dict[str, dict], path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    save_png(fig, path)
     return True
 
 
@@ -118,6 +118,11 @@ def main(folders: tuple[Path, ...], capacities: tuple[float, ...], markdown_path
          plot_path: Path | None) -> None:
     """Replay every .npz trace in FOLDERS (default: ../shared/traces beside the checkout)."""
     folders = folders or (Path(__file__).resolve().parents[2] / "shared" / "traces",)
+    if plot_path:
+        try:
+            check_plot_target(plot_path)  # before minutes of replay, not after
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
     results = {}
     for path in sorted(p for folder in folders for p in folder.glob("*.npz")):
         click.echo(f"replaying {path.name}", err=True)

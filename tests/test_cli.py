@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CLI = [sys.executable, "-m", "mlx_moestream.cli"]
 
 
@@ -109,3 +111,22 @@ def test_a_chat_answer_interrupted_by_ctrl_c_leaves_no_message_in_the_history(ti
     fresh = run("chat", "-m", tiny_model("qwen3_moe"), "--prompt", "again", "-n", 4)
     prompt_tokens = re.compile(r"\[(\d+) prompt tokens")
     assert prompt_tokens.findall(out) == prompt_tokens.findall(fresh.stdout)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("notes.png", "refusing to replace {path}: it is not a PNG image"),
+    ("sweep.txt", "{path}: plots are written as PNG: give a .png path"),
+    ("missing/sweep.png", "cannot write {path}: no folder"),
+])
+def test_replay_plot_refuses_a_target_it_must_not_write_before_the_sweep(tmp_path, name, message):
+    from mlx_moestream.trace import synthetic_trace
+
+    synthetic_trace(64, 2, 8, 2, seed=0).save(tmp_path / "t.npz")
+    notes = tmp_path / "notes.png"
+    notes.write_text("my notes")
+    path = tmp_path / name
+    out = run("replay", tmp_path / "t.npz", "--sweep", "--plot", path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert message.format(path=path) in out.stderr
+    assert "policy" not in out.stdout  # refused before the sweep
+    assert notes.read_text() == "my notes" and not (tmp_path / "sweep.txt").exists()

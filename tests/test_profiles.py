@@ -316,6 +316,17 @@ def test_profile_save_never_replaces_a_file_that_is_not_a_profile(tiny_model, tm
     assert notes.read_text() == '{"mine": true}' and notes.stat().st_mode & 0o777 == 0o600
 
 
+def test_chat_trace_never_replaces_a_file_that_is_not_a_trace(tiny_model, tmp_path):
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes, not a trace")
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 4,
+               "--trace", notes, cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"refusing to replace {notes}: it is not a routing trace" in out.stderr
+    assert "hit rate" not in out.stdout  # refused before any answer
+    assert notes.read_text() == "my notes, not a trace"
+
+
 def test_a_profile_that_cannot_be_written_does_not_lose_the_trace(tiny_model, tmp_path,
                                                                   monkeypatch):
     """The profile's folder turns read-only mid-session: the trace is still written."""

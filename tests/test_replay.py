@@ -361,3 +361,15 @@ def test_a_trace_that_would_expand_past_the_limit_is_refused_before_decompressin
     assert path.stat().st_size < 2**17
     with pytest.raises(TraceError, match="array 'experts' would expand the trace past"):
         Trace.load(path)
+
+
+def test_saving_a_trace_over_a_file_that_is_not_a_trace_is_refused(tmp_path):
+    trace = synthetic_trace(16, 2, 8, 2, seed=0)
+    notes = tmp_path / "notes.npz"
+    notes.write_bytes(b"not mine to replace")
+    with pytest.raises(TraceError, match="refusing to replace .*notes.npz: it is not a routing"):
+        trace.save(notes)
+    assert notes.read_bytes() == b"not mine to replace"
+    trace.save(tmp_path / "t.npz")
+    trace.save(tmp_path / "t.npz")  # a trace is replaced
+    assert Trace.load(tmp_path / "t.npz").tokens == 16
