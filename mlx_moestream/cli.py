@@ -563,7 +563,7 @@ def repack(model, out, verify_only):
             for problem in problems:
                 click.echo(problem, err=True)
             if problems:
-                raise click.ClickException(f"{len(problems)} expert blocks do not match")
+                raise click.ClickException(f"{folder}: {len(problems)} problems found")
             click.echo(f"{folder}: every expert block matches its checksum")
             return
         click.echo(rp.repack(path, out, progress=_progress))

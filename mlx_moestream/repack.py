@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write_text
-from .store import (REPACK_SCHEMA, StoreError, repack_dir, manifest_checksum, source_digest,
-                    weight_files)
+from .files import atomic_write, atomic_write_text
+from .store import (REPACK_SCHEMA, StoreError, manifest_checksum, read_manifest, repack_dir,
+                    source_digest, weight_files)
 
 
 def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int = 4096,
@@ -28,14 +28,15 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
     """
     model_dir = Path(model_dir)
     out = Path(out) if out else repack_dir(model_dir)
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     from .loader import load_lazy  # mlx builds the plan; importing repack needs no mlx
 
     _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False, repacked=False)
     source = source_digest(weight_files(model_dir))  # before the reads: see the end
     layers = []
-    tmp = out / "experts.bin.tmp"
-    with open(tmp, "wb") as f:
+
+    def write(f) -> None:
         items = list(enumerate(plan.layers))
         with (progress(items, "repack") if progress else nullcontext(items)) as bar:
             for i, layer in bar:
@@ -61,31 +62,47 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
                     "crc32": crcs,
                 })
         f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    if source_digest(weight_files(model_dir)) != source:  # the copy may hold the old bytes
-        tmp.unlink()
-        raise StoreError(f"{model_dir}: the model files changed while they were repacked: "
-                         "repack again")
-    os.replace(tmp, out / "experts.bin")
+        os.fsync(f.fileno())  # the copy is complete: a change of the files from now on
+        if source_digest(weight_files(model_dir)) != source:  # means it may hold old bytes
+            raise StoreError(f"{model_dir}: the model files changed while they were repacked: "
+                             "repack again")
+
+    atomic_write(out / "experts.bin", write)  # an interrupted repack leaves nothing behind
     manifest = {"schema": REPACK_SCHEMA, "version": 1, "page_size": page_size,
-                "source": source, "bin_bytes": size,
+                "source": source, "bin_bytes": (out / "experts.bin").stat().st_size,
                 "layers": layers}
     manifest["checksum"] = manifest_checksum(manifest)
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return out
 
 
+def _check_out(out: Path) -> None:
+    """Write only where a repack wrote before, if anything is there: never over a
+    manifest.json or experts.bin that is not a repacked copy's."""
+    manifest = out / "manifest.json"
+    if manifest.exists():
+        try:
+            ours = json.loads(manifest.read_text()).get("schema") == REPACK_SCHEMA
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise StoreError(f"refusing to replace {manifest}: it is not a repack manifest")
+    elif (out / "experts.bin").exists():
+        raise StoreError(f"refusing to replace {out / 'experts.bin'}: no repack manifest "
+                         "beside it")
+
+
 def verify(folder: str | Path, model_dir: str | Path | None = None) -> list[str]:
-    """Check every expert block against its crc32 and, given `model_dir`, that the model's
-    files are still those the copy was made from; returns the problems found (none: valid)."""
+    """Check the manifest as a load does (see `store.read_manifest`), every expert block
+    against its crc32 and, given `model_dir`, that the model's files are still those the copy
+    was made from; returns the problems found (none: valid)."""
     folder = Path(folder)
+    if not (folder / "manifest.json").exists():
+        raise StoreError(f"no repacked copy in {folder}: run `mlx-moestream repack` first")
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise StoreError(f"no repacked copy in {folder}: run `mlx-moestream repack` first") from None
-    except (OSError, ValueError) as e:
-        raise StoreError(f"{folder / 'manifest.json'}: unreadable repack manifest ({e})") from None
+        manifest = read_manifest(folder, None)
+    except StoreError as e:
+        return [str(e)]  # a load ignores the copy
     problems = []
     if model_dir is not None and manifest["source"] != source_digest(weight_files(Path(model_dir))):
         problems.append(f"{folder}: made from other model files (repack again)")
@@ -97,4 +114,3 @@ def verify(folder: str | Path, model_dir: str | Path | None = None) -> list[str]
                 if zlib.crc32(f.read(block)) != crc:
                     problems.append(f"{layer['name']} expert {expert}: checksum mismatch")
     return problems
-

@@ -183,9 +183,9 @@ def manifest_checksum(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def read_manifest(folder: Path, files: list[Path]) -> dict:
+def read_manifest(folder: Path, files: list[Path] | None) -> dict:
     """A repacked copy's manifest, checked at open: its own checksum, the size of experts.bin,
-    and that the model's shards are still the ones it was made from."""
+    and (given `files`) that the model's shards are still the ones it was made from."""
     path = folder / "manifest.json"
     try:
         manifest = json.loads(path.read_text())
@@ -198,7 +198,7 @@ def read_manifest(folder: Path, files: list[Path]) -> dict:
     binary = folder / "experts.bin"
     if not binary.exists() or binary.stat().st_size != manifest["bin_bytes"]:
         raise StoreError(f"{binary}: missing or not {manifest['bin_bytes']} bytes")
-    if manifest["source"] != source_digest(files):
+    if files is not None and manifest["source"] != source_digest(files):
         raise StoreError(f"{path}: made from other model files (repack again)")
     return manifest
 

@@ -161,7 +161,7 @@ def test_a_shard_rewritten_after_its_experts_were_read_fails_the_repack(model_co
         repack(path)
     monkeypatch.undo()
     folder = repack_dir(path)
-    assert not (folder / "experts.bin").exists() and not (folder / "experts.bin.tmp").exists()
+    assert list(folder.iterdir()) == []  # neither the copy nor its temporary file
 
 
 def test_a_corrupt_block_in_the_copy_is_an_error_naming_the_expert_never_an_input(model_copy):
@@ -218,3 +218,42 @@ def test_a_copy_written_elsewhere_has_its_manifest_and_serves_the_model(model_co
     assert verify(out, path) == []
     store = ExpertStore(path, repacked=out)
     assert store.files[-1] == out / "experts.bin"
+
+
+def test_repack_never_replaces_a_manifest_it_did_not_write(model_copy, tmp_path):
+    out = tmp_path / "site"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"name": "my web app"}')
+    with pytest.raises(StoreError, match="refusing to replace .*manifest.json: it is not a "
+                                         "repack manifest"):
+        repack(model_copy("qwen3_moe"), out)
+    assert (out / "manifest.json").read_text() == '{"name": "my web app"}'
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
+
+
+def test_an_interrupted_repack_leaves_no_file_behind(model_copy, monkeypatch):
+    path = model_copy("qwen3_moe")
+    read_expert, reads = ExpertStore.read_expert, []
+
+    def interrupted(self, *args):
+        reads.append(1)
+        if len(reads) == 3:
+            raise KeyboardInterrupt
+        return read_expert(self, *args)
+
+    monkeypatch.setattr(ExpertStore, "read_expert", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        repack(path)
+    assert list(repack_dir(path).iterdir()) == []
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[]", "checksum"])
+def test_verify_reports_a_manifest_a_load_would_ignore(model_copy, manifest):
+    folder = repack(model_copy("qwen3_moe"))
+    if manifest == "checksum":  # valid JSON, one layer's checksums cut, its checksum stale
+        data = json.loads((folder / "manifest.json").read_text())
+        data["layers"][1]["crc32"] = data["layers"][1]["crc32"][:2]
+        manifest = json.dumps(data)
+    (folder / "manifest.json").write_text(manifest)
+    assert verify(folder) == [f"{folder / 'manifest.json'}: corrupt repack manifest (checksum "
+                              "mismatch or missing fields)"]
