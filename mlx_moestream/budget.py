@@ -30,7 +30,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(NUMBER + r"([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS:
         raise BudgetError(f"cannot parse size '{text}' (use e.g. 8GB, 512MiB, 35%, auto)")
-    return int(Fraction(m.group(1)) * UNITS[m.group(2).lower()])
+    try:
+        return int(Fraction(m.group(1)) * UNITS[m.group(2).lower()])
+    except ValueError:  # Python's limit on digits in a conversion (4300)
+        raise BudgetError(f"size '{text[:20]}...' has too many digits") from None
 
 
 def available_memory_bytes() -> int:

@@ -496,16 +496,18 @@ def profile_record(name, text_path, model):
 
 @profile.command("show")
 @click.argument("name")
-@click.option("--top", default=8, show_default=True, help="Hot experts shown per layer.")
+@click.option("--top", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Hot experts shown per layer.")
 def profile_show(name, top):
     """Hot experts per layer and the share of activations the top-N carry."""
+    from .profiles import describe
+
     try:
         p = _load_profile(name)
     except ValueError as e:
         _fail(e)
-    click.echo(f"workload {p.workload}: {p.tokens} tokens on {p.model['model_type']} "
-               f"({p.model['moe_layers']} MoE layers x {p.model['experts']} experts, "
-               f"top-{p.model['top_k']}), created {p.created}")
+    click.echo(f"workload {p.workload}: {p.tokens} tokens on {describe(p.model)}, "
+               f"created {p.created}")
     coverage = p.coverage(top)
     for layer, (counts, share) in enumerate(zip(p.counts, coverage)):
         hot = [int(e) for e in counts.argsort(kind="stable")[::-1][:top] if counts[e] > 0]
@@ -530,7 +532,7 @@ def profile_merge(first, second, output):
 @profile.command("diff")
 @click.argument("first")
 @click.argument("second")
-@click.option("--top", default=8, show_default=True)
+@click.option("--top", default=8, show_default=True, type=click.IntRange(min=1))
 def profile_diff(first, second, top):
     """Per layer: how differently two workloads route (JS divergence, top-N overlap)."""
     from .profiles import diff

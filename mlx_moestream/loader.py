@@ -32,7 +32,8 @@ def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = 
     store = ExpertStore(path, drop_page_cache, repacked)
     try:
         model, tokenizer, config = mlx_lm_load(str(path), lazy=True, return_config=True)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, FileNotFoundError) as e:
+        # TypeError / AttributeError: a config.json lacking fields or not an object
         raise ModelError(f"{path}: mlx-lm cannot load this model: {e}") from None
     try:
         plan = plan_model(model, config)

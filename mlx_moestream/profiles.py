@@ -100,8 +100,8 @@ class Profile:
         have the model's shape (one row per MoE layer, one count per expert)."""
         if self.model.get("fingerprint") != model["fingerprint"]:
             raise ProfileError(
-                f"{source} '{self.workload}' was recorded on {_describe(self.model)} "
-                f"but {target} is {_describe(model)}"
+                f"{source} '{self.workload}' was recorded on {describe(self.model)} "
+                f"but {target} is {describe(model)}"
             )
         shape = (model.get("moe_layers"), model.get("experts"))
         if None not in shape and self.counts.shape != shape:
@@ -143,7 +143,8 @@ class Profile:
         return top / np.maximum(self.counts.sum(axis=1), 1)
 
 
-def _describe(model: dict) -> str:
+def describe(model: dict) -> str:
+    """A profile's model in words; any field may be missing (a profile from another tool)."""
     return (f"{model.get('model_type')} ({model.get('moe_layers')} MoE layers x "
             f"{model.get('experts')} experts, top-{model.get('top_k')}, "
             f"fingerprint {str(model.get('fingerprint'))[:12]})")

@@ -101,6 +101,23 @@ def test_a_config_with_no_experts_per_token_is_refused(model_copy, top_k):
         mlx_moestream.load(path)
 
 
+@pytest.mark.parametrize("config, problem", [
+    ({"model_type": "qwen3_moe"}, "required positional arguments: 'hidden_size'"),
+    (["qwen3_moe"], "'list' object has no attribute 'get'"),
+], ids=["fields missing", "not an object"])
+def test_a_config_mlx_lm_cannot_build_from_is_a_clear_error(model_copy, config, problem):
+    path = model_copy()
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=f"{re.escape(str(path))}: mlx-lm cannot load this "
+                                         f"model: .*{re.escape(problem)}"):
+        mlx_moestream.load(path)
+
+
+def test_a_budget_of_more_digits_than_python_converts_is_a_clear_error(tiny_model):
+    with pytest.raises(BudgetError, match="has too many digits"):
+        mlx_moestream.load(tiny_model(), budget="9" * 5000)
+
+
 def _drop_tensor(path, name):
     from safetensors.numpy import load_file, save_file
 

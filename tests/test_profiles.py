@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mlx_moestream
-from mlx_moestream.profiles import Profile, ProfileError
+from mlx_moestream.profiles import Profile, ProfileError, find
 from mlx_moestream.replay import token_hits
 from mlx_moestream.trace import Trace
 
@@ -164,6 +164,19 @@ CLI = [sys.executable, "-m", "mlx_moestream.cli"]
 def _cli(*args, cwd):
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd,
                           timeout=120)
+
+
+def test_profile_show_and_diff_take_what_another_tool_may_write(tmp_path):
+    """A profile whose `model` lacks fields, and a --top of 0: one-line answers, no traceback."""
+    data = json.loads(find("english-chat").read_text())
+    data["model"] = {"fingerprint": data["model"]["fingerprint"]}
+    (tmp_path / "sparse.json").write_text(json.dumps(data))
+    out = _cli("profile", "show", tmp_path / "sparse.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "tokens on None (None MoE layers x None experts" in out.stdout
+    out = _cli("profile", "diff", "english-chat", "italian-chat", "--top", 0, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "Invalid value for '--top': 0 is not in the range x>=1" in out.stderr
 
 
 def test_chat_saves_then_loads_a_profile_by_name(tiny_model, tmp_path):
