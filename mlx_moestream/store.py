@@ -327,7 +327,7 @@ class ExpertStore:
         stacked_keys = (f"{prefix}.{name}", f"{parent}.experts.{name}")
         first_expert = [f"{parent}.experts.0.{alias}.{param}"
                         for alias in PER_EXPERT_NAMES.get(proj, (proj,)) if param]
-        forms = [k for k in (*stacked_keys, *first_expert) if k in self.tensors]
+        forms = [k for k in dict.fromkeys((*stacked_keys, *first_expert)) if k in self.tensors]
         if len(forms) > 1:  # a leftover of another conversion: which one is the model's?
             raise StoreError(
                 f"{self.model_dir}: expert tensor '{prefix}.{name}' is stored twice, as "
