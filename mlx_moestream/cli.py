@@ -485,11 +485,18 @@ def profile_list():
 def profile_record(name, text_path, model):
     """Record a workload's profile by running a text through the model."""
     from . import loader, session
+    from .profiles import save_target
 
-    try:
+    try:  # the name, the destination and the text are checked before the model runs
+        target = save_target(name)
+        try:
+            text = Path(text_path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{text_path}: not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
         lm, tokenizer = loader.load(model, budget="100%")
-        tokens = loader.run_text(lm, tokenizer, Path(text_path).read_text(encoding="utf-8"))
-        click.echo(f"{tokens} tokens: {session.save_profile(lm, name)}")
+        tokens = loader.run_text(lm, tokenizer, text)
+        click.echo(f"{tokens} tokens: {session.save_profile(lm, target, Path(name).stem)}")
     except (ValueError, OSError) as e:
         _fail(e)
 

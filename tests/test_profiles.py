@@ -179,6 +179,29 @@ def test_profile_show_and_diff_take_what_another_tool_may_write(tmp_path):
     assert "Invalid value for '--top': 0 is not in the range x>=1" in out.stderr
 
 
+def test_profile_record_runs_a_text_and_saves_its_profile(tiny_model, tmp_path):
+    (tmp_path / "text.txt").write_text("one two three four five six seven eight nine ten")
+    out = _cli("profile", "record", tmp_path / "p.json", "--text", tmp_path / "text.txt",
+               "-m", tiny_model("qwen3_moe"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    profile = Profile.load(tmp_path / "p.json")
+    assert profile.workload == "p" and profile.tokens > 0 and profile.counts.sum() > 0
+
+
+@pytest.mark.parametrize("name, text, problem", [
+    ("bad name!", "fine", "'bad name!' is neither a profile name"),
+    ("p.json", b"\xff\xfe not utf-8", "text.txt: not UTF-8 text (invalid start byte at byte 0)"),
+])
+def test_profile_record_checks_its_name_and_text_before_the_model_runs(tmp_path, name, text,
+                                                                       problem):
+    text_file = tmp_path / "text.txt"
+    text_file.write_bytes(text if isinstance(text, bytes) else text.encode())
+    out = _cli("profile", "record", name, "--text", text_file, "-m", tmp_path / "no-model",
+               cwd=tmp_path)  # a model that cannot load: the checks come first
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert problem in out.stderr and "no-model" not in out.stderr
+
+
 def test_chat_saves_then_loads_a_profile_by_name(tiny_model, tmp_path):
     (tmp_path / "profiles").mkdir()
     model = tiny_model("qwen3_moe")
