@@ -349,10 +349,9 @@ class LayerCyclic(Policy):
         self.rescaled = 0.0  # halvings already applied to `count`
         self.tokens = 0
         self.unused: list[int] = []  # prefetched keys, in order
-        # per layer: the keys of its latest call (in call order, as a set, and least count
-        # first), the least count among them, and a heap of (count, key) holding
+        # per layer: the keys of its latest call (as a set, and least count first, in call
+        # order among equals), the least count among them, and a heap of (count, key) holding
         # (at most) every other used key
-        self.latest: list[list[int]] = [[] for _ in range(layers)]
         self.latest_set: list[set[int]] = [set() for _ in range(layers)]
         self.ranked: list[list[int]] = [[] for _ in range(layers)]
         self.least_latest = [_INF] * layers
@@ -390,9 +389,9 @@ class LayerCyclic(Policy):
         self.reused += len(previous) - len(gone)
         self.used += len(keys)
         self.offered += len(previous)
-        count, weight, state, heap = self.count, self.weight, self.state, self.old[layer]
+        count, weight, state = self.count, self.weight, self.state
         if gone:  # those resident join the layer's heap, unless there
-            in_heap = self.in_heap
+            in_heap, heap = self.in_heap, self.old[layer]
             for key in gone:
                 if not in_heap[key] and state[key] == 2:
                     heappush(heap, (count[key], key))
@@ -407,12 +406,10 @@ class LayerCyclic(Policy):
         if self.unused:  # it may use prefetched keys (else every hit is a used key already)
             for key in keys:
                 state[key] = 2
-        self.latest[layer], self.latest_set[layer] = keys, current
-        least = self.least_latest[layer] = count[ranked[0]]
+        self.latest_set[layer] = current
+        self.least_latest[layer] = count[ranked[0]]
         self.position = layer + 1 if layer + 1 < self.layers else 0
-        # `_note`, inlined: once per call
-        self._value[layer] = min(least + self.bonus_latest,
-                                 (heap[0][0] if heap else _INF) + self.bonus_old)
+        self._note(layer)
 
     def warm(self, keys: list[int]) -> None:
         for key in keys:
@@ -446,8 +443,7 @@ class LayerCyclic(Policy):
             least = self.least_latest[position]  # all count as old
             if heap and heap[0][0] < least:
                 least = heap[0][0]
-            least += self.bonus_old
-            score[position] = self.layers / least if least else _INF  # `_score`, inlined
+            score[position] = _score(self.layers, least + self.bonus_old)
             layer = int(score.argmax())
             while True:
                 if score.item(layer) <= 0:
@@ -594,8 +590,7 @@ class LayerCyclic(Policy):
             heapify(heap)
             for key in keys:
                 in_heap[key] = True
-            self.ranked[layer] = sorted(self.latest[layer], key=count.__getitem__)  # may tie
-            self._latest_changed(layer)
+            self._latest_changed(layer)  # `ranked` keeps its order: scaling keeps it
         self._rates()
 
 

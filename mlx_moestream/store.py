@@ -333,7 +333,7 @@ class ExpertStore:
                 f"{self.model_dir}: expert tensor '{prefix}.{name}' is stored twice, as "
                 + " and as ".join(f"'{k}' ({self.files[self.tensors[k].file].name})"
                                   for k in forms) + ": remove the stale shard")
-        key = next((k for k in stacked_keys if k in self.tensors), None)
+        key = forms[0] if forms and forms[0] in stacked_keys else None
         stacked = self.tensors.get(key)
         if stacked is not None:
             if stacked.shape != (num_experts, *shape):
