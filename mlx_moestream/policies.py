@@ -349,11 +349,12 @@ class LayerCyclic(Policy):
         self.rescaled = 0.0  # halvings already applied to `count`
         self.tokens = 0
         self.unused: list[int] = []  # prefetched keys, in order
-        # per layer: the keys of its latest call (as a set, and least count first, in call
-        # order among equals), the least count among them, and a heap of (count, key) holding
+        # per layer: the keys of its latest call (in call order, as a set, and least count
+        # first once sorted), the least count among them, and a heap of (count, key) holding
         # (at most) every other used key
+        self.latest: list[list[int]] = [[] for _ in range(layers)]
         self.latest_set: list[set[int]] = [set() for _ in range(layers)]
-        self.ranked: list[list[int]] = [[] for _ in range(layers)]
+        self.ranked: list[list[int] | None] = [None] * layers
         self.least_latest = [_INF] * layers
         self.old: list[list[tuple[float, int]]] = [[] for _ in range(layers)]
         # uses and chances (keys at a call of their layer) of the latest and the other keys
@@ -389,7 +390,7 @@ class LayerCyclic(Policy):
         self.reused += len(previous) - len(gone)
         self.used += len(keys)
         self.offered += len(previous)
-        count, weight, state = self.count, self.weight, self.state
+        count, weight, least, state = self.count, self.weight, _INF, self.state
         if gone:  # those resident join the layer's heap, unless there
             in_heap, heap = self.in_heap, self.old[layer]
             for key in gone:
@@ -397,17 +398,16 @@ class LayerCyclic(Policy):
                     heappush(heap, (count[key], key))
                     in_heap[key] = True
         for key in keys:
-            count[key] += weight
-        # least count first, in call order among equals (stable): they keep their counts
-        # until the layer's next call
-        ranked = self.ranked[layer] = sorted(keys, key=count.__getitem__)
+            c = count[key] = count[key] + weight
+            if c < least:
+                least = c
         for key in new:
             state[key] = 2
         if self.unused:  # it may use prefetched keys (else every hit is a used key already)
             for key in keys:
                 state[key] = 2
-        self.latest_set[layer] = current
-        self.least_latest[layer] = count[ranked[0]]
+        self.latest[layer], self.latest_set[layer], self.ranked[layer] = keys, current, None
+        self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
         self._note(layer)
 
@@ -485,7 +485,7 @@ class LayerCyclic(Policy):
         state, count, bonus_old, in_heap = self.state, self.count, self.bonus_old, self.in_heap
         current = layer == self.position
         bonus = bonus_old if current else self.bonus_latest  # see `victims`
-        ranked = self.ranked[layer]
+        ranked = self._ranked(layer)
         at, end = 0, len(ranked)
         heap, aside, latest = self.old[layer], [], self.latest_set[layer]
         old_value = heap[0][0] + bonus_old if heap else _INF  # at most the heap's least
@@ -536,10 +536,17 @@ class LayerCyclic(Policy):
             self._note(layer)
         return value
 
+    def _ranked(self, layer: int) -> list[int]:
+        """The layer's latest keys, least count first (in call order among equals)."""
+        ranked = self.ranked[layer]
+        if ranked is None:
+            ranked = self.ranked[layer] = sorted(self.latest[layer], key=self.count.__getitem__)
+        return ranked
+
     def _latest_changed(self, layer: int) -> None:
         """A key of the layer's latest call left or came back: find its least count again."""
         state = self.state
-        for key in self.ranked[layer]:
+        for key in self._ranked(layer):
             if state[key] == 2:
                 self.least_latest[layer] = self.count[key]
                 return
@@ -590,7 +597,8 @@ class LayerCyclic(Policy):
             heapify(heap)
             for key in keys:
                 in_heap[key] = True
-            self._latest_changed(layer)  # `ranked` keeps its order: scaling keeps it
+            self.ranked[layer] = None  # scaled counts may tie
+            self._latest_changed(layer)
         self._rates()
 
 
