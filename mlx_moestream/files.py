@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import secrets
+import socket
 import stat
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+# this host, in temporary files' names: a short digest (a host name may hold any character)
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
@@ -16,7 +21,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     Temporary files that a killed writer (kill -9) left for `path` are removed first."""
     path = Path(path)
     _remove_orphans(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{_HOST}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
     try:
         with os.fdopen(fd, "wb") as f:
@@ -37,10 +42,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def _remove_orphans(path: Path) -> None:
-    """Remove `.NAME.PID.HEX.tmp` files beside `path` whose writing process no longer exists."""
+    """Remove `.NAME.PID-HOST.HEX.tmp` files beside `path` that a process of this host wrote
+    and that no longer exists. Another host's are left alone: a folder may be shared (NFS)
+    between the hosts of a distributed run, and its PID means nothing here."""
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2 :].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        pid, _, host = tmp.name[len(path.name) + 2 :].split(".")[0].partition("-")
+        if pid.isdigit() and host == _HOST and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
 

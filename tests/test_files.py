@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 
-def test_a_temporary_file_left_by_a_killed_writer_goes_at_the_next_write(tmp_path):
-    target = tmp_path / "p.json"
-    writer = subprocess.Popen([sys.executable, "-c", (
+def _kill_a_writer_of(target, host: str | None = None) -> list[str]:
+    """Start writing `target` in another process (on `host`, as its name says), kill it
+    mid-write, and return the names in the folder."""
+    pretend = f"import socket; socket.gethostname = lambda: {host!r}; " if host else ""
+    writer = subprocess.Popen([sys.executable, "-c", pretend + (
         "import sys, time; from mlx_moestream.files import atomic_write; "
         "atomic_write(sys.argv[1], lambda f: (f.write(b'half'), f.flush(), "
         "print('writing', flush=True), time.sleep(60)))"), str(target)],
@@ -17,19 +19,34 @@ def test_a_temporary_file_left_by_a_killed_writer_goes_at_the_next_write(tmp_pat
     assert writer.stdout.readline() == "writing\n"
     os.kill(writer.pid, signal.SIGKILL)
     writer.wait()
-    left = [p.name for p in tmp_path.iterdir()]
-    assert len(left) == 1 and left[0].startswith(".p.json.") and left[0].endswith(".tmp")
+    return [p.name for p in target.parent.iterdir()]
+
+
+def test_a_temporary_file_left_by_a_killed_writer_goes_at_the_next_write(tmp_path):
     from mlx_moestream.files import atomic_write_text
 
+    target = tmp_path / "p.json"
+    left = _kill_a_writer_of(target)
+    assert len(left) == 1 and left[0].startswith(".p.json.") and left[0].endswith(".tmp")
     atomic_write_text(target, "whole")
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
     assert target.read_text() == "whole"
 
 
 def test_a_temporary_file_of_a_live_writer_is_left_alone(tmp_path):
-    from mlx_moestream.files import atomic_write_text
+    from mlx_moestream.files import _HOST, atomic_write_text
 
-    mine = tmp_path / f".p.json.{os.getpid()}.abcd1234.tmp"
+    mine = tmp_path / f".p.json.{os.getpid()}-{_HOST}.abcd1234.tmp"
     mine.write_text("in progress")
     atomic_write_text(tmp_path / "p.json", "whole")
     assert mine.exists()
+
+
+def test_a_temporary_file_of_another_host_is_left_alone(tmp_path):
+    """A folder shared between hosts (NFS): another host's PID says nothing about this one's
+    processes, so its writer may still be at work."""
+    from mlx_moestream.files import atomic_write_text
+
+    (theirs,) = _kill_a_writer_of(tmp_path / "p.json", host="another-host")
+    atomic_write_text(tmp_path / "p.json", "whole")
+    assert (tmp_path / theirs).exists()
