@@ -65,8 +65,13 @@ class Prefetch:
         with CRITICAL:
             loads, evicted = cache.prefetch(nxt, predicted, self.reading)
             runtime.evicted(evicted)
-            self.prefetched[nxt] = {e for e, _ in loads}
-            self.reads += [(nxt, e, runtime.io.submit(runtime.read, nxt, e, s)) for e, s in loads]
+            prefetched = self.prefetched[nxt] = set()
+
+            def add(expert: int, read: Future) -> None:
+                prefetched.add(expert)
+                self.reads.append((nxt, expert, read))
+
+            runtime.submit_reads(nxt, loads, add)
 
     def pays(self, layer: int) -> bool:
         """Whether reading `layer`'s predicted misses ahead is right often enough: a wrong read

@@ -102,6 +102,7 @@ class Runtime:
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
         self.unfinished: list[tuple[int, list]] = []  # (layer, reads) a call left running
+        self.closed = False  # see `close`
         # a backend that counts routing after the fact (all experts resident) flushes it here
         self.count_deferred: Callable[[], None] = lambda: None
         # a backend whose compute may still read slots when a call returns waits for it here
@@ -156,6 +157,11 @@ class Runtime:
     def capacity(self, layer: int) -> int:
         return self.layer_cache[layer].capacity(layer)
 
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this model was closed (moestream.close()): load it again to "
+                               "stream its experts")
+
     def count_sync(self) -> None:
         """The backend waited for the device (to read routed ids or a prediction)."""
         self.stats.syncs += 1
@@ -193,9 +199,11 @@ class Runtime:
             loads = self._decide(layer, experts)
             self._reading(layer, experts)
             size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
-            reads = [(e, self.io.submit(self.read, layer, e, s)) for e, s in loads]
+            reads: list[tuple[int, Future]] = []
+            self.unfinished.append((layer, reads))
+            self.submit_reads(layer, loads, lambda expert, read: reads.append((expert, read)))
             groups = [reads[i : i + size] for i in range(0, len(reads), size)]
-            self.unfinished += [(layer, group) for group in groups]
+            self.unfinished[-1:] = [(layer, group) for group in groups]
             slots = self.layer_cache[layer].slots(layer, ids)
         return self._chunks(ids, slots, groups)
 
@@ -221,6 +229,8 @@ class Runtime:
         """What every call does before its experts are made resident (see `route`): finish
         reads in flight, count, record, mask. Returns (distinct experts in order, ids), or None
         when the call must be computed by `rounds` or computes nothing."""
+        if compute:
+            self.check_open()
         if self.prefetch and self.prefetch.reads:
             self.prefetch.wait(layer)
         if self.unfinished:
@@ -342,14 +352,24 @@ class Runtime:
             return
         reads: list[tuple[int, Future]] = []
         self.unfinished.append((layer, reads))
+        self.submit_reads(layer, loads, lambda expert, read: reads.append((expert, read)))
+        self._finish_unfinished()
+
+    def submit_reads(self, layer: int, loads: list[tuple[int, int]],
+                     add: Callable[[int, Future], None]) -> None:
+        """Start the reads of `loads` ((expert, slot) pairs) on the I/O threads, handing each
+        to `add` as it starts, for the caller to finish. When one cannot start (the pool was
+        shut down, no thread could start), the experts not started leave their slots before
+        the error is raised: no slot is left claiming bytes that never land."""
+        started = 0
         try:
             for expert, slot in loads:
-                reads.append((expert, self.io.submit(self.read, layer, expert, slot)))
+                add(expert, self.io.submit(self.read, layer, expert, slot))
+                started += 1
         except BaseException:
-            for expert, _ in loads[len(reads):]:
+            for expert, _ in loads[started:]:
                 self.forget(layer, expert)
             raise
-        self._finish_unfinished()
 
     def _finish(self, layer: int, reads: list[tuple[int, Future | Callable]]) -> None:
         """Wait for the reads of `layer`'s experts (`(expert, future)`), or make them (`(expert,
@@ -471,6 +491,7 @@ class Runtime:
         good (leaving every layer room for one call's experts: `call_experts`).
         `progress(items, label)` is a context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
+        self.check_open()
         with self.lock:  # as a layer call: another thread's is never in between
             self.count_deferred()
             picks, pins = [], []
@@ -548,5 +569,6 @@ class Runtime:
 
     def close(self) -> None:
         """Finish the reads in flight and close the files; the model cannot stream after."""
+        self.closed = True
         self.io.shutdown(wait=True)
         self.store.close()

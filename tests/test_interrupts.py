@@ -152,6 +152,65 @@ def test_a_read_in_the_background_failing_with_any_error_fails_one_call_and_the_
     assert _equals_stock(model, reference(path))
 
 
+def _stale_experts(runtime) -> list[tuple[int, int]]:
+    """The (layer, expert) pairs marked resident whose slot does not hold their bytes."""
+    stale = []
+    for layer in range(runtime.plan.num_layers):
+        views = runtime.layer_pool[layer].views
+        for expert, slot in enumerate(runtime.slot_map(layer).tolist()):
+            if slot >= 0:
+                fresh = {name: np.empty_like(view[slot]) for name, view in views.items()}
+                runtime.store.read_expert(runtime.store_layer[layer], expert, fresh)
+                if not all(np.array_equal(fresh[n], views[n][slot]) for n in fresh):
+                    stale.append((layer, expert))
+    return stale
+
+
+@pytest.mark.parametrize("reader", ["prompt", "prefetch"])
+def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, monkeypatch, reader):
+    """A background read that cannot start (no thread could start; the pool shut down): the
+    experts placed for it and for those after it must leave their slots, and a read started
+    before it must be finished by the next call, not left to land in a slot given away."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%", prefetch=reader == "prefetch")
+    if reader == "prompt":
+        greedy_logits(model)  # the cache full: the experts placed take slots others held
+    runtime = model.moestream
+    original, submits, predicting = runtime.io.submit, itertools.count(), threading.Event()
+    if reader == "prefetch":  # the first prediction's first read fails: none of its reads start
+        after, fail_at = runtime.prefetch.after, 0
+        monkeypatch.setattr(runtime.prefetch, "after",
+                            lambda *a: (predicting.set(), after(*a), predicting.clear()))
+    else:  # the prompt's second read fails: the first one is left running
+        fail_at = 1
+
+    def failing(*args):
+        if (reader == "prompt" or predicting.is_set()) and next(submits) == fail_at:
+            raise RuntimeError("can't start new thread")
+        return original(*args)
+
+    monkeypatch.setattr(runtime.io, "submit", failing)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        if reader == "prompt":  # a short prompt: its experts fit, read while it computes
+            for prompt in ([[5, 9, 13]], [[21, 30, 44]], [[2, 50, 61]]):
+                model(mx.array(prompt))
+        else:
+            greedy_logits(model, decode_tokens=8)
+    monkeypatch.undo()
+    runtime.settle()
+    hits = np.flatnonzero(runtime.slot_map(0) >= 0)[None, None]
+    runtime.route(0, hits)  # a call (of hits: it evicts nothing) finishes the reads left running
+    assert _stale_experts(runtime) == []
+    assert _equals_stock(model, reference(path))
+
+
+def test_a_closed_model_refuses_to_stream(tiny_model):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%")
+    model.moestream.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        greedy_logits(model)
+
+
 def test_an_expert_forgotten_twice_frees_its_slot_once(tiny_model):
     """A read group finished again after an interrupt forgets a failed expert a second time:
     its slot must not go back to the free list twice (nor slot -1, the pool's last)."""
