@@ -254,8 +254,9 @@ class ExpertCache:
         wanted = max(0, int(self.num_slots * share) - self.resident)
         hot = [(l, e) for l, e in profile.hottest(wanted, [room(l) for l in range(len(self.slot_of))])
                if self.slot_of[l, e] < 0]
-        pins, pinned = [], np.zeros(len(self.slot_of), np.int64)
-        for layer, expert in hot[: int(self.num_slots * pin_share)]:
+        # pins of an earlier pre-warm count: toward the share and the room left for a call
+        pins, pinned = [], self.pinned_count.copy()
+        for layer, expert in hot[: max(0, int(self.num_slots * pin_share) - self.pinned_total)]:
             used = pinned[layer] if self.per_layer else pinned.sum()
             if used + 1 <= self.limit[layer] - call_experts:
                 pinned[layer] += 1

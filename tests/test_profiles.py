@@ -1,5 +1,6 @@
 """Activation profiles: recorded live, saved atomically, refused on another model, pre-warming."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -278,6 +279,26 @@ def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
     assert mlx_lm.generate(model, tokenizer, "def f(x): return [x] * 9 " * 4, max_tokens=16)
     assert mlx_moestream.stats(model)["evictions"] > 0
     assert {key: cache.slot_of[key] for key in pinned} == slots
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_a_second_prewarm_counts_the_pins_of_the_first(tiny_model, tmp_path, per_layer):
+    """Pre-warming again with another workload's profile must leave every layer room for one
+    call's experts unpinned, and the pins within the share of the budget."""
+    path = tiny_model("qwen3_moe")
+    profile = Profile.load(_saved_profile(path, tmp_path, "50%"))
+    other = dataclasses.replace(profile, workload="other",  # hot where the first is cold
+                                counts=profile.counts.max() - profile.counts,
+                                decayed=profile.decayed.max() - profile.decayed)
+    model, tokenizer = mlx_moestream.load(path, budget="50%", per_layer=per_layer)
+    mlx_moestream.prewarm(model, profile, share=0.5, pin_share=0.5)
+    mlx_moestream.prewarm(model, other, share=1.0, pin_share=0.5)
+    runtime = model.moestream
+    assert runtime.caches[0].pinned_total <= 4
+    assert all(runtime.capacity(layer) >= runtime.plan.top_k for layer in range(2))
+    stock, _ = mlx_lm.load(str(path))
+    assert (mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
+            == mlx_lm.generate(stock, tokenizer, PROMPT, max_tokens=16))
 
 
 def test_per_layer_split_follows_the_profile_and_stays_exact(tiny_model, tmp_path):
