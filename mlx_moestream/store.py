@@ -13,6 +13,7 @@ import os
 import struct
 import threading
 import warnings
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,11 @@ def _page_aligned(array: np.ndarray) -> bool:
     return array.ctypes.data % mmap.PAGESIZE == 0 and array.flags.c_contiguous
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The shards mlx-lm would load, in a stable order."""
     files = sorted(model_dir.glob("model*.safetensors"))
@@ -259,6 +265,7 @@ class ExpertStore:
                 self.tensors[name] = info
         self._fds: list[int] | None = None
         self._direct: int | None = None  # experts.bin opened with O_DIRECT, when it can be
+        self._closer: weakref.finalize | None = None  # closes what `open` opened
         self._bounce = threading.local()  # each reader thread's page-aligned buffer
         self.layers: list[list[ExpertTensor]] = []
         self.blocks: list[tuple[int, int] | None] = []  # (offset, stride) of repacked layers
@@ -382,23 +389,35 @@ class ExpertStore:
         return ExpertTensor(name, files, offsets, nbytes)
 
     def open(self) -> None:
-        if self._fds is None:
-            self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
-            if self.drop_page_cache and hasattr(fcntl, "F_NOCACHE"):  # macOS
-                for fd in self._fds:
-                    fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
-            if self.drop_page_cache and self.repacked and hasattr(os, "O_DIRECT"):
-                try:  # a file system without direct I/O fails here: read through the cache
-                    self._direct = os.open(self.files[-1], os.O_RDONLY | os.O_DIRECT)
-                    os.preadv(self._direct, [mmap.mmap(-1, mmap.PAGESIZE)], 0)
-                except OSError:
-                    if self._direct is not None:
-                        os.close(self._direct)
-                    self._direct = None
+        """Open the files, once (reader threads share the descriptors). They close at `close`
+        or when the store is collected (a load refused after this, a model dropped)."""
+        if self._fds is not None:
+            return
+        fds: list[int] = []  # every descriptor, the direct one last
+        closer = weakref.finalize(self, _close_all, fds)
+        try:
+            for path in self.files:
+                fds.append(os.open(path, os.O_RDONLY))
+                if self.drop_page_cache and hasattr(fcntl, "F_NOCACHE"):  # macOS
+                    fcntl.fcntl(fds[-1], fcntl.F_NOCACHE, 1)
+        except BaseException:
+            closer()
+            raise
+        direct = None
+        if self.drop_page_cache and self.repacked and hasattr(os, "O_DIRECT"):
+            try:  # a file system without direct I/O fails here: read through the cache
+                direct = os.open(self.files[-1], os.O_RDONLY | os.O_DIRECT)
+                fds.append(direct)
+                os.preadv(direct, [mmap.mmap(-1, mmap.PAGESIZE)], 0)
+            except OSError:
+                if direct is not None:
+                    os.close(fds.pop())
+                direct = None
+        self._fds, self._direct, self._closer = fds[: len(self.files)], direct, closer
 
     def close(self) -> None:
-        for fd in [*(self._fds or ()), *([self._direct] if self._direct is not None else [])]:
-            os.close(fd)
+        if self._fds is not None:
+            self._closer()
         self._fds = self._direct = None
 
     def read_expert(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:

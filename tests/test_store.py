@@ -139,3 +139,27 @@ def test_a_shard_rewritten_while_the_store_indexes_it_fails_every_read(model_cop
     with pytest.raises(StoreError, match=r"model\.safetensors: changed on disk since the model was "
                                          r"loaded"):
         _read(store, layer, 5)
+
+
+def _open_files() -> int:
+    return len(os.listdir("/dev/fd"))
+
+
+def test_refused_loads_and_dropped_models_leave_no_file_open(tiny_model):
+    """A load refused once the files are open (a per-layer split the budget cannot give), and a
+    model dropped without `close()`: their descriptors close, not one per load for good."""
+    import gc
+
+    from mlx_moestream.budget import BudgetError
+
+    path = tiny_model("qwen3_moe", bits=4)
+    mlx_moestream.load(path, budget="25%")  # what a first load opens for good (libraries)
+    gc.collect()
+    before = _open_files()
+    for _ in range(5):
+        with pytest.raises(BudgetError, match="per-layer split"):
+            mlx_moestream.load(path, budget=9216, per_layer=True)
+        model, _ = mlx_moestream.load(path, budget="25%")
+        del model
+    gc.collect()
+    assert _open_files() == before
