@@ -223,8 +223,9 @@ class DeferredRouting:
     def add(self, layer: int, indices: mx.array) -> None:
         calls = self.calls.setdefault(threading.current_thread(), [])
         calls.append((layer, indices))
-        if len(calls) > 3 * self.runtime.plan.num_layers:
-            self.count(keep=2 * self.runtime.plan.num_layers)
+        layers = self.runtime.plan.num_layers
+        if len(calls) > 2 * layers:  # a third forward call began: count the first
+            self.count(keep=layers + 1)
 
     def count(self, keep: int = 0) -> None:
         """Route this thread's deferred calls (whole forward calls, all but the last `keep`

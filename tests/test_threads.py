@@ -54,3 +54,34 @@ def test_a_prewarm_waits_for_another_threads_layer_call(tiny_model):
         assert runtime.stats.loads.sum() == 0
     prewarm.join()
     assert runtime.stats.loads.sum() > 0
+
+
+def test_stats_from_another_thread_lag_a_generation_by_at_most_two_tokens(tiny_model):
+    """Every expert resident: a thread's routing is counted by that thread, two forward calls
+    late (the latest may not be computed yet), so another thread's `stats()` misses at most the
+    generating thread's last two decode tokens."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%")
+    stepped, go, done, lags = threading.Event(), threading.Event(), [0], []
+
+    def generate():
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache, token = make_prompt_cache(model), mx.array([[5]])
+        for _ in range(8):
+            out = model(token, cache=cache)
+            mx.eval(out)
+            done[0] += 1
+            token = mx.argmax(out[:, -1:], axis=-1)
+            stepped.set()
+            go.wait()
+            go.clear()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    for _ in range(8):
+        stepped.wait()
+        stepped.clear()
+        lags.append(done[0] - mlx_moestream.stats(model)["tokens"])
+        go.set()
+    thread.join()
+    assert max(lags) <= 2
