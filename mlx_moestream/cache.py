@@ -63,6 +63,12 @@ def split_slots(
     return slots.tolist()
 
 
+def check_shares(share: float, pin_share: float) -> None:
+    if not (0.0 <= share <= 1.0 and 0.0 <= pin_share <= 1.0):
+        raise ValueError(f"pre-warm and pin shares must be in [0, 1] of the budget, got "
+                         f"{share} and {pin_share}")
+
+
 class ExpertCache:
     """Maps (layer, expert) to slots of one pool of `num_slots`; evicts by policy when full.
 
@@ -240,9 +246,7 @@ class ExpertCache:
         (leaving each partition room for one call's `call_experts` unpinned). The caller
         `admit`s the first and loads them, then `pin`s the second: the runtime and replay
         pre-warm alike."""
-        if not (0.0 <= share <= 1.0 and 0.0 <= pin_share <= 1.0):
-            raise ValueError(f"pre-warm and pin shares must be in [0, 1] of the budget, got "
-                             f"{share} and {pin_share}")
+        check_shares(share, pin_share)
         layers = self.policy_of
 
         def room(layer: int) -> int:  # experts the layer may still take

@@ -17,9 +17,9 @@ from .budget import available_memory_bytes, resolve_budget
 from .hub import ModelError, resolve_model_path
 from .mlx_backend import MLXSlotPool, attach, plan_model
 from .plan import ModelPlan
-from .policies import DEFAULT_POLICY, make_policy
+from .policies import DEFAULT_POLICY
 from .profiles import Profile
-from .runtime import Runtime
+from .runtime import Runtime, check_options
 from .session import as_profile, runtime_of
 from .stats import hit_rate
 from .store import ExpertStore
@@ -87,7 +87,7 @@ def load(
     `budget`, and the hosts exchange each MoE layer's outputs (see `mlx_backend.HostExperts`);
     an exchange waiting longer than `timeout_seconds` ends the process with an error.
     """
-    make_policy(policy, capacity=1, num_keys=1)  # a bad name, option or value fails before any read
+    check_options(policy, prewarm_share, pin_share, window_tokens)
     group = _host_group() if distributed else None
     if group is not None and (profile is not None or prefetch or per_layer):
         raise ValueError("distributed loads take no profile, prefetch or per-layer split yet")

@@ -19,10 +19,10 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .budget import BudgetError, format_bytes
-from .cache import ExpertCache, split_slots
+from .cache import ExpertCache, check_shares, split_slots
 from .interrupts import CRITICAL, install_handler
 from .plan import ExpertLayer, ModelPlan
-from .policies import DEFAULT_POLICY
+from .policies import DEFAULT_POLICY, make_policy
 from .prefetch import Prefetch
 from .profiles import Profile
 from .stats import Stats, ratio
@@ -72,6 +72,16 @@ class SlotPool:
 
 
 NewPool = Callable[[ExpertLayer, int], SlotPool]
+
+
+def check_options(policy: str, prewarm_share: float, pin_share: float, window_tokens: int
+                  ) -> None:
+    """A load's options, checked before anything is read (a profile or not): the policy's name,
+    options and values, the shares, the statistics' window."""
+    make_policy(policy, capacity=1, num_keys=1)
+    check_shares(prewarm_share, pin_share)
+    if window_tokens < 1:
+        raise ValueError(f"window_tokens must be at least 1 token, got {window_tokens}")
 
 
 class Runtime:

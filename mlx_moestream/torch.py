@@ -28,9 +28,9 @@ from transformers import initialization as init
 from .budget import BudgetError, available_memory_bytes, resolve_budget
 from .hub import ModelError, resolve_model_path
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
-from .policies import DEFAULT_POLICY, make_policy
+from .policies import DEFAULT_POLICY
 from .profiles import Profile
-from .runtime import Runtime, SlotPool
+from .runtime import Runtime, SlotPool, check_options
 from .session import as_profile
 from .store import ExpertStore, StoreError
 
@@ -55,7 +55,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     `experts_implementation` is transformers' (default: its own choice)."""
     if device != "cpu":
         raise ValueError(f"device '{device}': the torch backend streams on the CPU only for now")
-    make_policy(policy, capacity=1, num_keys=1)  # a bad name fails before any read
+    check_options(policy, prewarm_share, pin_share, window_tokens)
     path = resolve_model_path(model, revision)
     if profile is not None:
         profile = as_profile(profile)

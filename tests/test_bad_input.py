@@ -209,6 +209,16 @@ def test_unknown_policy_is_rejected(tiny_model):
         mlx_moestream.load(tiny_model("qwen3_moe"), policy="mru")
 
 
+@pytest.mark.parametrize("option, problem", [
+    (dict(pin_share=-1.0), r"shares must be in \[0, 1\]"),
+    (dict(prewarm_share=2.0), r"shares must be in \[0, 1\]"),
+    (dict(window_tokens=0), "window_tokens must be at least 1 token, got 0"),
+])
+def test_options_out_of_range_are_refused_without_a_profile_too(tiny_model, option, problem):
+    with pytest.raises(ValueError, match=problem):
+        mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%", **option)
+
+
 def test_a_file_cut_while_a_full_budget_reads_every_expert_fails_the_load_naming_it(
         model_copy, monkeypatch):
     path = model_copy()

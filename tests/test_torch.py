@@ -354,3 +354,8 @@ def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf
         f.write(bytes(norm.nbytes))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_options_out_of_range_are_refused_before_the_model_builds(hf_model):
+    with pytest.raises(ValueError, match="window_tokens must be at least 1 token"):
+        moestream_torch.load(hf_model(), budget="50%", window_tokens=-3)
