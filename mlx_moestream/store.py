@@ -144,6 +144,13 @@ def _page_aligned(array: np.ndarray) -> bool:
     return array.ctypes.data % mmap.PAGESIZE == 0 and array.flags.c_contiguous
 
 
+def _identity(stat: os.stat_result) -> tuple[int, int, int]:
+    """What tells a file rewritten in place: its size and modification time, and its status
+    change time, which a write moves and no user can set back (`touch -d`, `cp -p` and
+    `rsync -t` set the modification time back)."""
+    return stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -254,7 +261,7 @@ class ExpertStore:
         self.files = weight_files(self.model_dir)
         # what each file was before it was indexed: a read checks the file still is (see
         # `_read_run`), so a rewrite even while the headers are read fails every read of it
-        self.identity = [(st.st_size, st.st_mtime_ns) for st in map(os.stat, self.files)]
+        self.identity = [_identity(st) for st in map(os.stat, self.files)]
         self.tensors: dict[str, TensorInfo] = {}
         for i, path in enumerate(self.files):
             for name, info in index_file(path, i).items():
@@ -282,8 +289,7 @@ class ExpertStore:
             else:
                 binary = folder / "experts.bin"
                 self.files.append(binary)
-                stat = binary.stat()  # its blocks are checked by crc32 as well
-                self.identity.append((stat.st_size, stat.st_mtime_ns))
+                self.identity.append(_identity(binary.stat()))  # its blocks have crc32s too
                 self.repacked = {layer["name"]: layer for layer in manifest["layers"]}
 
     def add_layer(self, prefix: str, params: dict[str, tuple[tuple[int, ...], int]], num_experts: int,
@@ -578,11 +584,12 @@ class ExpertStore:
             if n:
                 bufs = [bufs[0][n:], *bufs[1:]]
         stat = os.fstat(fd)  # after the read: an in-place rewrite before or during it shows
-        if (stat.st_size, stat.st_mtime_ns) != self.identity[file]:
+        if _identity(stat) != self.identity[file]:
             what = where if isinstance(where, str) else where(offset)
             raise StoreError(
-                f"{self.files[file]}: changed on disk since the model was loaded (size or "
-                f"modification time), so {what} cannot be trusted: load the model again"
+                f"{self.files[file]}: changed on disk since the model was loaded (size, "
+                f"modification or status change time), so {what} cannot be trusted: load the "
+                f"model again"
             )
         if drop and self.drop_page_cache and not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)

@@ -298,6 +298,26 @@ def test_a_shard_rewritten_in_place_mid_session_fails_every_later_read(model_cop
     assert model.moestream.slot_map(1)[7] == -1
 
 
+def test_a_shard_rewritten_in_place_with_its_modification_time_set_back_fails_reads(model_copy):
+    """What `cp -p` or `rsync -t --inplace` of a same-size checkpoint does: same size, same
+    modification time, other bytes. Its status change time tells."""
+    import os
+
+    import mlx.core as mx
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget="50%")
+    shard = path / "model.safetensors"
+    stat = shard.stat()
+    offset = int(model.moestream.store.layers[1][-1].offsets[7])
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(64))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(StoreError, match="changed on disk .* layer 1 expert 7"):
+        mx.eval(model.model.layers[1].mlp.switch_mlp(mx.ones((1, 1, 64)), mx.array([[[7, 7]]])))
+
+
 def test_a_read_failing_in_a_prompt_fails_it_once_every_read_has_ended_and_the_next_is_exact(
         model_copy, monkeypatch):
     import errno
