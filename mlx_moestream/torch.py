@@ -219,7 +219,7 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
     one way or another by that flag, even under no_grad, and the two ways round differently.
     A parameter the checkpoint lacks is an error (tied ones excepted)."""
     renamings = _renamings(lm.config)
-    params = dict(lm.named_parameters())
+    params = dict(lm.named_parameters(remove_duplicate=False))  # a tied one under each name
     buffers = dict(lm.named_buffers())
     expert_params = {n for n in params if any(n.startswith(e.module + ".") for e in experts)}
     by_file: dict[int, list[str]] = {}
@@ -248,7 +248,9 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
                         target.copy_(tensor)
                     loaded.add(name)
                     nbytes += tensor.nbytes
-    lm.tie_weights()
+    # as `from_pretrained` ties: what the checkpoint lacks to what it has; both there and
+    # different (a config saying "tied" of a checkpoint that is not) stay apart
+    lm.tie_weights(missing_keys=set(params) - loaded)
     missing = [n for n, _ in lm.named_parameters() if n not in loaded and n not in expert_params]
     if missing:
         raise ModelError(f"{store.model_dir}: the checkpoint has no tensor for {missing[0]}"

@@ -340,6 +340,27 @@ def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_p
         moestream_torch.load(path, budget="100%")
 
 
+@pytest.mark.parametrize("lm_head", ["stored apart", "not stored"])
+def test_embeddings_are_tied_as_from_pretrained_ties_them(hf_model, tmp_path, lm_head):
+    """A config saying tie_word_embeddings: `from_pretrained` ties lm_head to the embeddings
+    when the checkpoint lacks it, and keeps a stored, different one apart."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(path / "model.safetensors")
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    if lm_head == "not stored":
+        del weights["lm_head.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    model, _ = moestream_torch.load(path, budget="50%")
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert_equal_runs(run(model), run(stock))
+
+
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
     """The store refuses expert reads from a changed file; the dense weights must not follow
     the file either (every expert resident here: nothing is read again)."""
