@@ -189,15 +189,22 @@ def find(name: str) -> Path:
 
 def save_target(name: str | Path) -> Path:
     """Where saving NAME writes, checked before anything is recorded: a NAME (letters, digits,
-    `.`, `_`, `-`) goes to ./profiles if it exists, else the user directory; a path (a `Path`,
-    or a string ending in `.json`) must be in an existing folder. An existing file is replaced
-    only if it is a profile."""
+    `.`, `_`, `-`) goes to ./profiles if it exists, else the user directory (made now, so that
+    the path this returns passes this check again); a path (a `Path`, or a string ending in
+    `.json`) must be in an existing folder. An existing file is replaced only if it is a
+    profile."""
     if isinstance(name, Path) or name.endswith(".json"):
         path = Path(name).expanduser()
         if not path.parent.is_dir():
             raise ProfileError(f"cannot save profile {path}: no folder {path.parent}")
     elif re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", name):
-        path = (Path("profiles") if Path("profiles").is_dir() else user_dir()) / f"{name}.json"
+        folder = Path("profiles") if Path("profiles").is_dir() else user_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ProfileError(f"cannot save profile {name}: cannot make {folder}: "
+                               f"{e.strerror}") from None
+        path = folder / f"{name}.json"
     else:
         raise ProfileError(f"'{name}' is neither a profile name (letters, digits, '.', '_', '-') "
                            f"nor a path ending in .json")

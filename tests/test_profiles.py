@@ -167,6 +167,17 @@ def _cli(*args, cwd):
                           timeout=120)
 
 
+def test_chat_saves_a_profile_by_name_on_a_fresh_install(tiny_model, tmp_path):
+    """No ./profiles and no user profile folder yet: the folder is made, the profile saved."""
+    user = tmp_path / "no" / "profiles-yet"
+    out = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "--budget", "50%",
+                          "-n", "3", "--prompt", "ciao", "--profile", "save", "fresh"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "MLX_MOESTREAM_PROFILES": str(user)})
+    assert out.returncode == 0, out.stderr
+    assert Profile.load(user / "fresh.json").tokens > 0
+
+
 def test_profile_show_and_diff_take_what_another_tool_may_write(tmp_path):
     """A profile whose `model` lacks fields, and a --top of 0: one-line answers, no traceback."""
     data = json.loads(find("english-chat").read_text())
