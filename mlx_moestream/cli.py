@@ -102,6 +102,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         raise click.UsageError("--distributed takes no --profile, --trace, --per-layer or "
                                "--prefetch yet")
     try:  # every output is checked before the session, not found unwritable at its end
+        if prompt is not None:
+            _check_text(prompt, "--prompt")
         targets = [save_target(name) for name in to_save]
         if trace_path:
             _check_writable(Path(trace_path))
@@ -136,6 +138,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     history: list[dict] = []
 
     def answer(text: str) -> None:
+        _check_text(text, "the message")
         message = {"role": "user", "content": text}
         text, timing = reply([*history, message])  # an answer cut short leaves no trace
         history.extend([message, {"role": "assistant", "content": text}])
@@ -246,6 +249,15 @@ def _terminate_as_interrupt():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _check_text(text: str, what: str) -> None:
+    """Bytes that are not UTF-8 (in argv, or a line read) arrive as surrogates, which no
+    tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text (at character {e.start})") from None
 
 
 def _interactive(answer, read=input, fatal: bool = False) -> None:

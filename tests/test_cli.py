@@ -61,6 +61,22 @@ def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
     assert proc.stdout.count("4 generated") == 2
 
 
+def test_text_that_is_not_utf8_is_a_clear_error_and_the_chat_goes_on(tiny_model):
+    """A byte that is not UTF-8 reaches Python as a surrogate (argv, or stdin read with
+    surrogateescape), which the tokenizer refuses with a TypeError."""
+    model = str(tiny_model("qwen3_moe"))
+    out = subprocess.run([*CLI, "chat", "-m", model, "-n", "4", "--prompt", b"ciao \xff"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "Error: --prompt is not UTF-8 text (at character 5)" in out.stderr
+    out = subprocess.run([*CLI, "chat", "-m", model, "-n", "4"], input=b"ciao \xff\nhello\n\n",
+                         capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"})
+    assert out.returncode == 0 and b"Traceback" not in out.stderr
+    assert b"Error: the message is not UTF-8 text (at character 5)" in out.stderr
+    assert out.stdout.count(b"4 generated") == 1
+
+
 def test_help_and_version_start_without_importing_mlx():
     code = ("import sys; from click.testing import CliRunner; from mlx_moestream.cli import main; "
             "runner = CliRunner(); assert runner.invoke(main, ['--help']).exit_code == 0; "
