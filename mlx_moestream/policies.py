@@ -121,6 +121,9 @@ class LFU(Policy):
         _add_counts(self.count, counts)
 
 
+MAX_RECENT_TOKENS = 1024  # WindowLFU's guard keeps a list this long, updated every token
+
+
 class WindowLFU(Policy):
     """LFU over a sliding window, behind a short recency guard.
 
@@ -152,8 +155,9 @@ class WindowLFU(Policy):
         super().__init__(capacity, num_keys)
         if half_life < 1:
             raise ValueError(f"half_life must be at least 1 token, got {half_life}")
-        if recent_tokens < 1:
-            raise ValueError(f"recent_tokens must be at least 1, got {recent_tokens}")
+        if not 1 <= recent_tokens <= MAX_RECENT_TOKENS:  # a longer guard holds every key
+            raise ValueError(f"recent_tokens must be in [1, {MAX_RECENT_TOKENS}], got "
+                             f"{recent_tokens}")
         if not 0.0 <= guard_share <= 1.0:
             raise ValueError(f"guard_share must be in [0, 1], got {guard_share}")
         self.half_life = half_life

@@ -536,7 +536,9 @@ def test_unknown_policy_option_names_the_options_of_that_policy():
 @pytest.mark.parametrize("spec, match", [("wlfu:half_life=1.5", "half_life takes an integer"),
                                          ("slru:protected_share=lots", "takes a number"),
                                          ("wlfu:half_life=0", "at least 1 token"),
-                                         ("slru:protected_share=2", "in \\[0, 1\\]")])
+                                         ("slru:protected_share=2", "in \\[0, 1\\]"),
+                                         ("wlfu:recent_tokens=99999999999999999999",
+                                          "recent_tokens must be in \\[1, 1024\\]")])
 def test_bad_policy_option_value_is_a_clear_error(spec, match):
     with pytest.raises(ValueError, match=match):
         make_policy(spec, 4, 8)
