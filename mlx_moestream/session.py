@@ -21,12 +21,13 @@ def prewarm(model: Any, profile: str | Path | Profile, share: float = 1.0,
             pin_share: float = 0.0, progress: Callable | None = None) -> dict:
     """Load a profile's hottest experts into `share` of the budget, pin the hottest `pin_share`
     and seed the policy with its counts. `progress(items, label)` may wrap the loads."""
-    return runtime_of(model).prewarm(as_profile(profile), share, pin_share, progress)
+    return _single_host(model, "pre-warm from a profile").prewarm(as_profile(profile), share,
+                                                                 pin_share, progress)
 
 
 def profile(model: Any, workload: str) -> Profile:
     """This session's activation profile so far (what `save_profile` writes)."""
-    return runtime_of(model).profile(workload)
+    return _single_host(model, "record a profile").profile(workload)
 
 
 def save_profile(model: Any, name: str | Path, workload: str | None = None) -> Path:
@@ -37,7 +38,7 @@ def save_profile(model: Any, name: str | Path, workload: str | None = None) -> P
 
 def start_trace(model: Any) -> None:
     """Record the routing of every following forward call (see `save_trace`)."""
-    runtime = runtime_of(model)
+    runtime = _single_host(model, "record a trace")
     runtime.count_deferred()
     runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
 
@@ -58,6 +59,16 @@ def runtime_of(model: Any) -> Runtime:
     runtime = getattr(model, "moestream", None)
     if runtime is None:
         raise ValueError("this model was not loaded by mlx_moestream.load()")
+    return runtime
+
+
+def _single_host(model: Any, what: str) -> Runtime:
+    """A host of a distributed run sees its own experts only, numbered from 0: its profile or
+    trace would be another model's under this one's fingerprint."""
+    runtime = runtime_of(model)
+    if runtime.host[1] > 1:
+        raise ValueError(f"cannot {what} on a distributed model yet (each host holds only its "
+                         f"share of the experts)")
     return runtime
 
 

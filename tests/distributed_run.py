@@ -27,6 +27,15 @@ def reads_only_its_experts(runtime) -> bool:
     return True
 
 
+def refused(record) -> str:
+    """The error of an API call a host must refuse ("" if it did not)."""
+    try:
+        record()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 path, budget, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 expected = greedy_logits(mlx_lm.load(path)[0], decode_tokens=12)
 model, _ = mlx_moestream.load(path, budget=budget, distributed=True)
@@ -41,4 +50,6 @@ stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
     "bytes_read": stats["bytes_read"],
     "own_reads": reads_only_its_experts(model.moestream),
     "combined_loads": hosts["combined"]["loads"],
+    "profile_refused": refused(lambda: mlx_moestream.save_profile(model, out / "p.json")),
+    "trace_refused": refused(lambda: mlx_moestream.start_trace(model)),
 }))

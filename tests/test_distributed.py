@@ -40,6 +40,15 @@ def test_two_hosts_match_one_stock_process_bit_for_bit(tiny_model, tmp_path, arc
     assert hosts[0]["combined_loads"] == sum(h["loads"] for h in hosts)
 
 
+def test_a_host_refuses_to_record_a_profile_or_a_trace(tiny_model, tmp_path):
+    """A host sees its own experts only, numbered from 0: its profile or trace would be
+    another model's under this one's fingerprint."""
+    for h in run_hosts(tiny_model("qwen3_moe"), "60%", tmp_path):
+        assert "cannot record a profile on a distributed model" in h["profile_refused"]
+        assert "cannot record a trace on a distributed model" in h["trace_refused"]
+    assert not (tmp_path / "p.json").exists()
+
+
 @pytest.mark.parametrize("mode, message", [
     ("hang", "no answer from the other hosts for 3 s"),
     ("exit", "connection to a peer was lost"),
