@@ -542,8 +542,9 @@ def profile_merge(first, second, output):
     from .profiles import merge, save_target
 
     try:
-        merged = merge(_load_profile(first), _load_profile(second), workload=output)
-        click.echo(merged.save(save_target(output)))
+        target = save_target(output)
+        merged = merge(_load_profile(first), _load_profile(second), workload=target.stem)
+        click.echo(merged.save(target))
     except ValueError as e:
         _fail(e)
 

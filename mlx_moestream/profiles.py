@@ -251,9 +251,11 @@ def js_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def diff(a: Profile, b: Profile, top_n: int) -> list[dict]:
-    """Per layer: JS divergence of the two expert distributions and overlap of their top-N."""
+    """Per layer: JS divergence of the two expert distributions and overlap of their top-N
+    (N at most the experts of a layer)."""
     b.check_model(a.model, "second profile", "the first profile's model")
     jsd = js_divergence(a.counts.astype(float), b.counts.astype(float))
+    top_n = min(top_n, a.counts.shape[1])
     rows = []
     for layer in range(len(a.counts)):
         top_a = set(np.argsort(-a.counts[layer], kind="stable")[:top_n].tolist())

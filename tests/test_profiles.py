@@ -246,6 +246,22 @@ def test_profile_cli_lists_shows_merges_and_diffs(tiny_model, tmp_path):
     assert "JS div" in diffed and len(diffed.splitlines()) == 3
 
 
+def test_a_profile_diffed_with_itself_overlaps_fully_at_any_top(tmp_path):
+    from mlx_moestream.profiles import diff
+
+    profile = Profile.load(find("english-chat"))
+    experts = profile.counts.shape[1]
+    for top in (1, experts, 4 * experts):
+        assert all(row["top_overlap"] == 1.0 for row in diff(profile, profile, top))
+
+
+def test_a_profile_merged_to_a_path_is_named_for_its_file(tmp_path):
+    out = _cli("profile", "merge", "english-chat", "italian-chat", "-o", tmp_path / "both.json",
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert Profile.load(tmp_path / "both.json").workload == "both"
+
+
 def test_chat_trace_then_replay_reports_policy_lru_and_belady(tiny_model, tmp_path):
     out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 8,
                "--trace", tmp_path / "t.npz", cwd=tmp_path)
