@@ -17,9 +17,10 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Call `write` on a temporary file beside `path`, sync it, then rename it over `path`.
-    Temporary files that a killed writer (kill -9) left for `path` are removed first."""
-    path = Path(path)
+    """Call `write` on a temporary file beside `path`, sync it, then rename it over `path`
+    (over the file a symbolic link `path` points to: the link stays). Temporary files that a
+    killed writer (kill -9) left for it are removed first."""
+    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     _remove_orphans(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{_HOST}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows

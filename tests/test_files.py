@@ -50,3 +50,15 @@ def test_a_temporary_file_of_another_host_is_left_alone(tmp_path):
     (theirs,) = _kill_a_writer_of(tmp_path / "p.json", host="another-host")
     atomic_write_text(tmp_path / "p.json", "whole")
     assert (tmp_path / theirs).exists()
+
+
+def test_writing_through_a_symbolic_link_replaces_its_target_and_keeps_the_link(tmp_path):
+    from mlx_moestream.files import atomic_write_text
+
+    (tmp_path / "real").mkdir()
+    target, link = tmp_path / "real" / "p.json", tmp_path / "p.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    atomic_write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["p.json"]
