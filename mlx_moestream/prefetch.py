@@ -65,13 +65,12 @@ class Prefetch:
         with CRITICAL:
             loads, evicted = cache.prefetch(nxt, predicted, self.reading)
             runtime.evicted(evicted)
-            prefetched = self.prefetched[nxt] = set()
-
-            def add(expert: int, read: Future) -> None:
-                prefetched.add(expert)
-                self.reads.append((nxt, expert, read))
-
-            runtime.submit_reads(nxt, loads, add)
+            started: list[tuple[int, Future]] = []
+            try:
+                runtime.submit_reads(nxt, loads, started)
+            finally:  # what started is waited for and counted, whatever stopped the rest
+                self.prefetched[nxt] = {e for e, _ in started}
+                self.reads += [(nxt, e, read) for e, read in started]
 
     def pays(self, layer: int) -> bool:
         """Whether reading `layer`'s predicted misses ahead is right often enough: a wrong read

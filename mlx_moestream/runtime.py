@@ -211,7 +211,7 @@ class Runtime:
             size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
             reads: list[tuple[int, Future]] = []
             self.unfinished.append((layer, reads))
-            self.submit_reads(layer, loads, lambda expert, read: reads.append((expert, read)))
+            self.submit_reads(layer, loads, reads)
             groups = [reads[i : i + size] for i in range(0, len(reads), size)]
             self.unfinished[-1:] = [(layer, group) for group in groups]
             slots = self.layer_cache[layer].slots(layer, ids)
@@ -362,22 +362,20 @@ class Runtime:
             return
         reads: list[tuple[int, Future]] = []
         self.unfinished.append((layer, reads))
-        self.submit_reads(layer, loads, lambda expert, read: reads.append((expert, read)))
+        self.submit_reads(layer, loads, reads)
         self._finish_unfinished()
 
     def submit_reads(self, layer: int, loads: list[tuple[int, int]],
-                     add: Callable[[int, Future], None]) -> None:
-        """Start the reads of `loads` ((expert, slot) pairs) on the I/O threads, handing each
-        to `add` as it starts, for the caller to finish. When one cannot start (the pool was
-        shut down, no thread could start), the experts not started leave their slots before
-        the error is raised: no slot is left claiming bytes that never land."""
-        started = 0
+                     started: list[tuple[int, Future]]) -> None:
+        """Start the reads of `loads` ((expert, slot) pairs) on the I/O threads, adding each
+        to `started` (empty, and tracked by the caller) as it starts. When one cannot start
+        (the pool was shut down, no thread could start), the experts not started leave their
+        slots before the error is raised: no slot is left claiming bytes that never land."""
         try:
             for expert, slot in loads:
-                add(expert, self.io.submit(self.read, layer, expert, slot))
-                started += 1
+                started.append((expert, self.io.submit(self.read, layer, expert, slot)))
         except BaseException:
-            for expert, _ in loads[started:]:
+            for expert, _ in loads[len(started) :]:
                 self.forget(layer, expert)
             raise
 
