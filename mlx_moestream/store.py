@@ -401,6 +401,7 @@ class ExpertStore:
             return
         fds: list[int] = []  # every descriptor, the direct one last
         closer = weakref.finalize(self, _close_all, fds)
+        closer.atexit = False  # at exit a daemon thread may still read: the OS closes them
         try:
             for path in self.files:
                 fds.append(os.open(path, os.O_RDONLY))
