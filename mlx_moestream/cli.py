@@ -508,7 +508,7 @@ def profile_record(name, text_path, model):
                 from None
         lm, tokenizer = loader.load(model, budget="100%")
         tokens = loader.run_text(lm, tokenizer, text)
-        click.echo(f"{tokens} tokens: {session.save_profile(lm, target, Path(name).stem)}")
+        click.echo(f"{tokens} tokens: {session.save_profile(lm, target)}")
     except (ValueError, OSError) as e:
         _fail(e)
 

@@ -167,11 +167,6 @@ class Runtime:
     def capacity(self, layer: int) -> int:
         return self.layer_cache[layer].capacity(layer)
 
-    def check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this model was closed (moestream.close()): load it again to "
-                               "stream its experts")
-
     def count_sync(self) -> None:
         """The backend waited for the device (to read routed ids or a prediction)."""
         self.stats.syncs += 1
@@ -239,8 +234,8 @@ class Runtime:
         """What every call does before its experts are made resident (see `route`): finish
         reads in flight, count, record, mask. Returns (distinct experts in order, ids), or None
         when the call must be computed by `rounds` or computes nothing."""
-        if compute:
-            self.check_open()
+        if self.closed and compute:
+            raise _closed()
         if self.prefetch and self.prefetch.reads:
             self.prefetch.wait(layer)
         if self.unfinished:
@@ -499,7 +494,8 @@ class Runtime:
         good (leaving every layer room for one call's experts: `call_experts`).
         `progress(items, label)` is a context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
-        self.check_open()
+        if self.closed:
+            raise _closed()
         with self.lock:  # as a layer call: another thread's is never in between
             self.count_deferred()
             picks, pins = [], []
@@ -580,3 +576,8 @@ class Runtime:
         self.closed = True
         self.io.shutdown(wait=True)
         self.store.close()
+
+
+def _closed() -> RuntimeError:
+    return RuntimeError("this model was closed (moestream.close()): load it again to stream "
+                        "its experts")
