@@ -146,7 +146,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         if distributed:
             click.echo(_format_hosts(loader.host_stats(lm)))
 
-    failed = None
+    failed, interrupted = None, False
     try:
         with _terminate_as_interrupt():
             if prompt is not None:
@@ -155,8 +155,9 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                 _interactive(answer, _read_on_host_0, fatal=True)  # the others waiting
             else:
                 _interactive(answer)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # ends an interactive chat; a --prompt answer is cut short
         click.echo("\n[interrupted]")
+        interrupted = prompt is not None
     except _Terminated:
         click.echo("\n[terminated]")
         failed = click.ClickException("terminated")
@@ -175,6 +176,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                 failed = failed or e
     if failed:
         _fail(failed)
+    if interrupted:  # as a shell reports a command stopped by Ctrl-C: scripts see it
+        sys.exit(128 + signal.SIGINT)
 
 
 def _mlx_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict]):

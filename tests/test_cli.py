@@ -129,6 +129,20 @@ def test_a_chat_answer_interrupted_by_ctrl_c_leaves_no_message_in_the_history(ti
     assert prompt_tokens.findall(out) == prompt_tokens.findall(fresh.stdout)
 
 
+def test_a_prompt_answer_cut_short_by_ctrl_c_exits_130(tiny_model):
+    """A script running `chat --prompt` must not take a cut answer for a whole one."""
+    import signal
+
+    proc = subprocess.Popen([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "2000",
+                             "--prompt", "hello"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.read(20)  # the answer streams
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "[interrupted]" in out and "Traceback" not in err
+
+
 @pytest.mark.parametrize("name, message", [
     ("notes.png", "refusing to replace {path}: it is not a PNG image"),
     ("sweep.txt", "{path}: plots are written as PNG: give a .png path"),
