@@ -108,7 +108,7 @@ class Runtime:
         self.call_experts = plan.num_experts if whole_calls else plan.top_k
         self.policy = policy
         self.recorder = None  # a trace.TraceRecorder while recording routing
-        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="moestream-read")
+        self.io = _started_pool(io_threads)
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
         self.unfinished: list[tuple[int, list]] = []  # (layer, reads) a call left running
@@ -576,6 +576,26 @@ class Runtime:
         self.closed = True
         self.io.shutdown(wait=True)
         self.store.close()
+
+
+def _started_pool(threads: int) -> ThreadPoolExecutor:
+    """An I/O pool whose threads all run now. A pool starts them on demand, in `submit`, after
+    queueing the work: a thread that cannot start then raises there, and the read already
+    queued would land later in a slot the runtime has given to another expert."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="moestream-read")
+    running = threading.Barrier(threads + 1)  # each task holds its thread until all run
+    try:
+        for _ in range(threads):
+            pool.submit(running.wait)
+        running.wait()
+    except BaseException as e:
+        running.abort()  # the threads that run end their task
+        pool.shutdown(wait=False)
+        if isinstance(e, RuntimeError):
+            raise RuntimeError(f"cannot start the {threads} threads that read experts: {e}"
+                               ) from None
+        raise
+    return pool
 
 
 def _closed() -> RuntimeError:

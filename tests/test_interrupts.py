@@ -205,6 +205,32 @@ def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, mo
     assert _equals_stock(model, reference(path))
 
 
+def test_reads_need_no_new_thread_after_load(tiny_model, reference, monkeypatch):
+    """A pool starts its threads in `submit`, after queueing the work: a thread that could not
+    start there raised, and the read already queued landed later in a slot given away."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    assert _equals_stock(model, reference(path))
+
+
+def test_read_threads_that_cannot_start_fail_the_load_clearly(tiny_model, monkeypatch):
+    start, started = threading.Thread.start, itertools.count()
+
+    def second_fails(self):  # one thread runs, and must not wait for the others for good
+        if next(started) == 1:
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", second_fails)
+    with pytest.raises(RuntimeError, match="cannot start the 4 threads that read experts"):
+        mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%")
+
+
 def test_a_closed_model_refuses_to_stream(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%")
     model.moestream.close()
