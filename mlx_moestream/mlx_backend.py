@@ -109,7 +109,8 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "runtime", runtime)
         object.__setattr__(self, "in_flight", in_flight)
-        object.__setattr__(self, "next_router", None)  # the next layer's, to predict with
+        # the next layer's routing logits and the width of the input they take, to predict with
+        object.__setattr__(self, "next_router", None)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         runtime = self.runtime
@@ -117,11 +118,11 @@ class StreamingExperts(nn.Module):
         # sharing the model interleave whole layer calls.
         with runtime.lock:
             prefetch, one_token = runtime.prefetch, indices.size == indices.shape[-1]
-            predicted = None  # one-token calls predict (see `prefetch`)
-            if (prefetch and one_token and self.next_router is not None
-                    and prefetch.wanted(self.layer)):
+            predicted, router = None, self.next_router  # one-token calls predict (`prefetch`)
+            if (prefetch and one_token and router is not None and x.shape[-1] == router[1]
+                    and prefetch.wanted(self.layer)):  # a latent MoE's experts take less
                 k = runtime.plan.top_k
-                picks = mx.argpartition(-self.next_router(x), kth=k - 1, axis=-1)[..., :k]
+                picks = mx.argpartition(-router[0](x), kth=k - 1, axis=-1)[..., :k]
                 mx.eval(indices, picks)  # one host sync for the routing and the prediction
                 predicted = np.unique(np.array(picks))
             ids = np.array(indices)  # host sync: the routing decides what must be read
@@ -351,15 +352,16 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
 
 
 def _router(block: nn.Module, num_experts: int):
-    """The routing logits of a MoE block (its Linear with one output per expert), or None."""
+    """The routing logits of a MoE block (its Linear with one output per expert) and the width
+    of the input it takes, or None."""
     for name, child in block.children().items():
         if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
-            out = child.weight.shape[0]
+            out, width = child.weight.shape
             if out == num_experts:
-                return child
+                return child, width * 32 // getattr(child, "bits", 32)  # packed when quantized
         weight = getattr(child, "weight", None) if isinstance(child, nn.Module) else None
         if isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts:
-            return lambda x, w=weight: x @ w.T
+            return (lambda x, w=weight: x @ w.T), weight.shape[1]
     return None
 
 

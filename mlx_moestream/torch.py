@@ -426,7 +426,7 @@ class _RowPool(SlotPool):
 
 
 def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
-            next_router: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+            next_router: tuple[Callable[[torch.Tensor], torch.Tensor], int] | None) -> None:
     """Before each call of the experts module, make its routed experts resident; the call
     itself runs under the runtime's lock, so no other thread's call evicts them meanwhile.
     With `next_router` (prefetch), a one-token call predicts the next layer's experts from its
@@ -453,9 +453,10 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                     f"once ({runtime.capacity(layer)} of {num_experts}); raise the budget")
             prefetch = runtime.prefetch
             if (prefetch and next_router is not None and ids.size == ids.shape[-1]
+                    and hidden_states.shape[-1] == next_router[1]  # a latent MoE's take less
                     and prefetch.wanted(layer)):
                 with torch.no_grad():
-                    picks = next_router(hidden_states).topk(top_k, dim=-1).indices
+                    picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
                 prefetch.after(layer, np.unique(picks.to("cpu").numpy()))
             return forward(hidden_states, top_k_index, *args, **kwargs)
 
@@ -463,13 +464,15 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
 
 
 def _router(block: torch.nn.Module, num_experts: int
-            ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+            ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
     """The routing logits of a MoE block (its child with one weight row per expert, and the
-    bias it adds, if any), or None. Used to predict only: the model routes as it always does.
-    Computed in the weight's dtype: some models keep their router in float32 (DeepSeek-V3)."""
+    bias it adds, if any) and the width of the input it takes, or None. Used to predict only:
+    the model routes as it always does. Computed in the weight's dtype: some models keep their
+    router in float32 (DeepSeek-V3)."""
     for child in block.children():
         weight = getattr(child, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 2 and len(weight) == num_experts:
             bias = getattr(child, "bias", None)
-            return lambda x, w=weight, b=bias: torch.nn.functional.linear(x.to(w.dtype), w, b)
+            return (lambda x, w=weight, b=bias: torch.nn.functional.linear(x.to(w.dtype), w, b),
+                    weight.shape[1])
     return None

@@ -151,6 +151,31 @@ def test_prefetch_reads_each_next_layers_predicted_experts_and_stays_exact(hf_mo
     assert stats["prefetch"] and stats["prefetch_loads"] > 0 and stats["prediction_precision"] > 0
 
 
+def test_prefetch_leaves_out_experts_whose_input_the_routers_do_not_take(tmp_path):
+    """A latent MoE (Nemotron-H's `moe_latent_size`): the next router cannot predict from its
+    experts' narrower input (it raised a shape error on the first decode token)."""
+    from mlx_moestream.testing import make_tokenizer
+
+    config = transformers.NemotronHConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=1, layers_block_type=["mamba", "moe", "attention", "moe"],
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, moe_latent_size=32,
+        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in stock.parameters():
+            param.normal_(0.0, 0.1)
+    stock.save_pretrained(tmp_path)
+    make_tokenizer(tmp_path, 512)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    model, _ = moestream_torch.load(tmp_path, budget=moestream_torch.min_budget_bytes(tmp_path),
+                                    prefetch=True)
+    assert_equal_runs(run(model), run(stock))
+
+
 def test_pinned_experts_stay_resident_and_leave_room_for_a_whole_layer(hf_model, hf_reference,
                                                                         tmp_path):
     path = hf_model("qwen3_moe")
