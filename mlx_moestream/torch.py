@@ -117,6 +117,24 @@ def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None
     return lm, store, experts, plan
 
 
+def _dtype_plan(lm: torch.nn.Module, dtype: torch.dtype) -> Callable[[str], torch.dtype | None]:
+    """The dtype `from_pretrained` gives a loaded tensor instead of `dtype`, by name (None: no
+    other): its `_keep_in_fp32_modules` keep gpt-oss's norms in float32 under float16, and
+    some models' routers under any half precision."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = lm._get_dtype_plan(dtype)
+    if not plan:
+        return lambda name: None
+    pattern, glob_of, _ = build_glob_alternation(list(plan))
+
+    def planned(name: str) -> torch.dtype | None:
+        match = pattern.search(name)
+        return plan[glob_of[match.lastgroup]] if match else None
+
+    return planned
+
+
 class _Experts:
     """One fused experts module and where its checkpoint keeps its experts."""
 
@@ -219,6 +237,7 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
     one way or another by that flag, even under no_grad, and the two ways round differently.
     A parameter the checkpoint lacks is an error (tied ones excepted)."""
     renamings = _renamings(lm.config)
+    planned = _dtype_plan(lm, experts[0].dtype)
     params = dict(lm.named_parameters(remove_duplicate=False))  # a tied one under each name
     buffers = dict(lm.named_buffers())
     expert_params = {n for n in params if any(n.startswith(e.module + ".") for e in experts)}
@@ -236,14 +255,16 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
                     if name in expert_params or (name not in params and name not in buffers):
                         continue
                     target = params.get(name, buffers.get(name))
-                    tensor = _copy(f.get_tensor(key)).to(target.dtype)
+                    tensor = _copy(f.get_tensor(key)).to(planned(name) or target.dtype)
                     if tensor.shape != target.shape:
                         raise ModelError(f"{store.files[file]}: tensor '{key}' has shape "
                                          f"{list(tensor.shape)}, the model's {name} "
                                          f"{list(target.shape)}")
+                    owner, attr = name.rsplit(".", 1)
                     if name in params:
-                        owner, attr = name.rsplit(".", 1)
                         setattr(lm.get_submodule(owner), attr, torch.nn.Parameter(tensor))
+                    elif tensor.dtype != target.dtype:  # kept in float32
+                        setattr(lm.get_submodule(owner), attr, tensor)
                     else:
                         target.copy_(tensor)
                     loaded.add(name)

@@ -386,6 +386,18 @@ def test_embeddings_are_tied_as_from_pretrained_ties_them(hf_model, tmp_path, lm
     assert_equal_runs(run(model), run(stock))
 
 
+def test_modules_kept_in_float32_load_as_from_pretrained_keeps_them(hf_model, tmp_path):
+    """gpt-oss keeps its norms in float32 under float16 (`_keep_in_fp32_modules`), and its
+    float16 checkpoints store them so: rounded to float16, the logits and tokens differed."""
+    stock = transformers.AutoModelForCausalLM.from_pretrained(hf_model("gpt_oss"),
+                                                              dtype=torch.float16)
+    stock.save_pretrained(tmp_path)
+    for tokenizer in hf_model("gpt_oss").glob("tokenizer*"):
+        shutil.copy(tokenizer, tmp_path)
+    model, _ = moestream_torch.load(tmp_path, budget="100%")
+    assert_equal_runs(run(model), run(stock))
+
+
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
     """The store refuses expert reads from a changed file; the dense weights must not follow
     the file either (every expert resident here: nothing is read again)."""
