@@ -385,9 +385,11 @@ def _rows(module: torch.nn.Module, experts: _Experts, store: ExpertStore, specs:
 
 def _mapped(shape: torch.Size, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, mmap.mmap]:
     """A zero tensor over an anonymous map, starting `offset` bytes into its first page (CPU
-    kernels round by alignment: it must be the loaded model's); pages are backed once written."""
+    kernels round by alignment: it must be the loaded model's); pages are backed once written.
+    Private: a shared anonymous map (mmap's default) lives in shmem, which keeps pages that
+    MADV_DONTNEED hands back, so evicted experts would hold their memory for good."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, offset + max(nbytes, 1))
+    buffer = mmap.mmap(-1, offset + max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(dtype).view(shape), buffer
 

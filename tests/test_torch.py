@@ -304,6 +304,20 @@ def test_expert_memory_in_use_stays_within_the_budget(hf_model, fused, dtype):
     assert held >= stats["resident_bytes"] * 0.5  # the pages are really there, and counted
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's MADV_DONTNEED")
+def test_evicted_experts_hand_their_memory_back_to_the_system(hf_model):
+    """Freed, not only unmapped: a shared anonymous map kept the pages in shmem, with the
+    experts' weights, so every expert ever read held memory (this process's page table, which
+    the test above reads, did not show it). A freed page reads back as zeros."""
+    model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
+    run(model)
+    runtime, kept = model.moestream, 0
+    for layer, views in enumerate(runtime.pools[0].rows.views):
+        evicted = np.flatnonzero(runtime.slot_map(layer) < 0)
+        kept += sum(bool(view[evicted].any()) for view in views.values())
+    assert mlx_moestream.stats(model)["evictions"] > 0 and kept == 0
+
+
 @pytest.mark.parametrize("change, message", [
     ("drop", "does not fill model.layers.2.mlp.experts.down_proj"),
     ("reshape", "'down_proj' [256, 64] fills no expert parameter"),
