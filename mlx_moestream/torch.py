@@ -62,6 +62,10 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation)
     if profile is not None:
         profile.check_model(plan.identity)
+    # generate()'s defaults (eos ids, sampling) from generation_config.json, as from_pretrained
+    lm.adjust_generation_fn(None, True, False, str(path), cache_dir=None, force_download=False,
+                            proxies=None, local_files_only=True, token=None, revision=None,
+                            subfolder="", trust_remote_code=False)
     modules = dict(lm.named_modules())
     rows = ExpertRows([_rows(modules[e.module], e, store, layer.specs)
                        for e, layer in zip(experts, plan.layers)])
@@ -75,6 +79,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         router = nxt and _router(modules[nxt.module.rsplit(".", 1)[0]], plan.num_experts)
         _stream(modules[e.module], i, runtime, router)
     lm.moestream = runtime
+    lm.save_pretrained = _refuse_saving
     if prefetch:
         runtime.enable_prefetch()
     if runtime.holds_all:
@@ -86,6 +91,11 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     except (OSError, ValueError) as e:
         raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
     return lm, tokenizer
+
+
+def _refuse_saving(*args, **kwargs) -> None:
+    raise ModelError("a streamed model holds only its resident experts: save_pretrained would "
+                     "write the others as zeros; copy the checkpoint it was loaded from")
 
 
 def min_budget_bytes(model: str | Path, revision: str | None = None) -> int:

@@ -412,6 +412,29 @@ def test_modules_kept_in_float32_load_as_from_pretrained_keeps_them(hf_model, tm
     assert_equal_runs(run(model), run(stock))
 
 
+def test_generate_takes_its_defaults_from_generation_config_as_from_pretrained(hf_model,
+                                                                              tmp_path):
+    """Real checkpoints ship their eos ids and sampling defaults there (Qwen3: two eos ids)."""
+    import json
+
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 164], "repetition_penalty": 1.3, "max_new_tokens": 12}))
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, _ = moestream_torch.load(path, budget="50%")
+    assert torch.equal(model.generate(PROMPT), stock.generate(PROMPT))
+    assert model.generation_config.eos_token_id == [2, 164]
+
+
+def test_saving_a_streamed_model_is_refused(hf_model, tmp_path):
+    """Its experts that are not resident would be written as zeros: a checkpoint that loads
+    and gives wrong tokens."""
+    model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
+    with pytest.raises(ModelError, match="save_pretrained would write the others as zeros"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
     """The store refuses expert reads from a changed file; the dense weights must not follow
     the file either (every expert resident here: nothing is read again)."""
