@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk", "top_k")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk",
+              "moe_top_k", "moe_k", "top_k_experts", "top_k")
 
 # Settings that change how weights are stored, not which experts a token routes to: a profile
 # recorded on the float model applies to its quantized versions, and on either backend.

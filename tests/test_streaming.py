@@ -153,25 +153,13 @@ def test_prefetch_keeps_logits_exact_and_is_scored(tiny_model, reference, arch):
     assert stats["resident_bytes"] <= stats["budget_bytes"]
 
 
-def _latent_moe(path):
-    """A tiny Nemotron-H whose experts compute in a narrower latent space (`moe_latent_size`,
-    as Nemotron 3 Super): their input is not what the routers take."""
+def _save_model(path, config: dict):
+    """A random-weight mlx-lm model of an architecture `make_tiny_moe` does not build."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes, save_config
 
     from mlx_moestream.testing import _randomize, make_tokenizer
 
-    config = {"model_type": "nemotron_h", "vocab_size": 512, "hidden_size": 64,
-              "intermediate_size": 128, "max_position_embeddings": 2048,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
-              "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False,
-              "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
-              "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
-              "hybrid_override_pattern": "ME*E", "num_hidden_layers": 4, "head_dim": 16,
-              "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 64,
-              "moe_latent_size": 32, "n_group": 1, "n_routed_experts": 16, "n_shared_experts": 1,
-              "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
-              "routed_scaling_factor": 1.0, "tie_word_embeddings": False}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     _randomize(model, 0)
@@ -182,11 +170,41 @@ def _latent_moe(path):
     return path
 
 
+# A Nemotron-H whose experts compute in a narrower latent space (`moe_latent_size`, as
+# Nemotron 3 Super): their input is not what the routers take.
+LATENT_MOE = {"model_type": "nemotron_h", "vocab_size": 512, "hidden_size": 64,
+              "intermediate_size": 128, "max_position_embeddings": 2048,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
+              "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False,
+              "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
+              "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
+              "hybrid_override_pattern": "ME*E", "num_hidden_layers": 4, "head_dim": 16,
+              "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 64,
+              "moe_latent_size": 32, "n_group": 1, "n_routed_experts": 16, "n_shared_experts": 1,
+              "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
+              "routed_scaling_factor": 1.0, "tie_word_embeddings": False}
+
+# ERNIE-4.5-MoE names its experts per token `moe_k`.
+ERNIE_MOE = {"model_type": "ernie4_5_moe", "hidden_size": 64, "intermediate_size": 128,
+             "max_position_embeddings": 2048, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_hidden_layers": 3, "rms_norm_eps": 1e-5, "vocab_size": 512,
+             "rope_theta": 500000.0, "use_bias": False, "tie_word_embeddings": True,
+             "moe_num_experts": 16, "moe_k": 4, "moe_layer_start_index": 1,
+             "moe_intermediate_size": 32, "moe_num_shared_experts": 1, "head_dim": 16}
+
+
 def test_prefetch_leaves_out_experts_whose_input_the_routers_do_not_take(tmp_path, reference):
     """A latent MoE's next router cannot predict from its experts' input: no prediction, the
     output still exact (the prediction raised a shape error on the first decode token)."""
-    path = _latent_moe(tmp_path / "latent")
+    path = _save_model(tmp_path / "latent", LATENT_MOE)
     model, _ = mlx_moestream.load(path, budget="40%", prefetch=True)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+
+
+def test_a_config_naming_top_k_its_own_way_streams_exactly(tmp_path, reference):
+    path = _save_model(tmp_path / "ernie", ERNIE_MOE)
+    model, _ = mlx_moestream.load(path, budget="30%")
+    assert model.moestream.plan.top_k == 4
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
 
 
