@@ -30,3 +30,18 @@ def test_the_first_command_is_the_embedded_chat_the_readme_promises():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "hit rate" in done.stdout
+
+
+def test_the_python_api_example_runs_on_a_local_model(tiny_model, tmp_path):
+    """As written but for the model (no download here): a tiny one of the same architecture."""
+    import os
+
+    block = re.search(r"## Python API\n\n```python\n(.*?)\n```", README, re.S).group(1)
+    hub_id = "mlx-community/Qwen3-30B-A3B-4bit"
+    assert block.count(hub_id) == 2
+    code = block.replace(f'"{hub_id}"', repr(str(tiny_model("qwen3_moe", bits=4))))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={**os.environ, "MLX_MOESTREAM_PROFILES": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "my-workload.json").exists()
