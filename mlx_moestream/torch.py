@@ -59,6 +59,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     path = resolve_model_path(model, revision)
     if profile is not None:
         profile = as_profile(profile)
+    memory = available_memory_bytes()  # before the dense weights load: `auto` counts them
     lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation)
     if profile is not None:
         profile.check_model(plan.identity)
@@ -70,7 +71,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     rows = ExpertRows([_rows(modules[e.module], e, store, layer.specs)
                        for e, layer in zip(experts, plan.layers)])
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                  plan.dense_bytes, available_memory_bytes())
+                                  plan.dense_bytes, memory)
     weights = profile.working_set() if per_layer and profile is not None else None
     runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens, per_layer,
                       weights, whole_calls=True)

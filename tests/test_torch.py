@@ -451,6 +451,24 @@ def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf
         assert torch.equal(model(ids).logits, before)
 
 
+def test_auto_takes_the_dense_weights_off_the_free_memory_once(hf_model, monkeypatch):
+    """The free memory is measured before the dense weights load: measured after, the memory
+    they took was taken off again."""
+    path = hf_model("qwen3_moe")
+    plan = moestream_torch._build(path, False, None)[3]
+    memory = 2 * 2**30 + plan.dense_bytes + plan.expert_bytes // 2  # the reserve is 2 GiB
+    load_dense, loaded = moestream_torch._load_dense, []
+
+    def counted(*args):
+        loaded.append(load_dense(*args))
+        return loaded[-1]
+
+    monkeypatch.setattr(moestream_torch, "_load_dense", counted)
+    monkeypatch.setattr(moestream_torch, "available_memory_bytes", lambda: memory - sum(loaded))
+    model, _ = moestream_torch.load(path, budget="auto")
+    assert mlx_moestream.stats(model)["budget_bytes"] == plan.expert_bytes // 2
+
+
 def test_options_out_of_range_are_refused_before_the_model_builds(hf_model):
     with pytest.raises(ValueError, match="window_tokens must be at least 1 token"):
         moestream_torch.load(hf_model(), budget="50%", window_tokens=-3)
