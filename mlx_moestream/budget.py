@@ -6,6 +6,7 @@ import math
 import os
 import re
 from fractions import Fraction
+from pathlib import Path
 
 UNITS = {
     "": 1, "b": 1,
@@ -37,15 +38,56 @@ def parse_size(text: str) -> int:
 
 
 def available_memory_bytes() -> int:
-    """Memory the OS can give now (MemAvailable on Linux, physical memory elsewhere)."""
+    """Memory the OS can give now: on Linux MemAvailable, within what the memory limits of the
+    process's cgroups leave (a container's: the host's free memory is not ours to take);
+    physical memory elsewhere."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return min([int(line.split()[1]) * 1024, *cgroup_headrooms()])
     except OSError:
         pass
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cgroup_headrooms(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
+    """What each memory limit over this process leaves (v2 and v1, its cgroup's and its
+    ancestors'): the limit less the usage, plus the inactive file pages the kernel reclaims
+    first."""
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return []
+    headrooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:  # v2
+            top, names = Path(root), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            top = Path(root) / "memory"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        folder = top / path.lstrip("/")
+        while top == folder or top in folder.parents:
+            headroom = _headroom(folder, *names)
+            if headroom is not None:
+                headrooms.append(headroom)
+            folder = folder.parent
+    return headrooms
+
+
+def _headroom(folder: Path, limit_file: str, usage_file: str, inactive: str) -> int | None:
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        if limit == "max":
+            return None
+        usage = int((folder / usage_file).read_text())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+        return max(0, int(limit) - usage + int(stat.get(inactive, 0)))
+    except (OSError, ValueError):
+        return None
 
 
 def auto_budget(expert_bytes: int, dense_bytes: int, memory_bytes: int) -> int:

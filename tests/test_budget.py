@@ -1,6 +1,7 @@
 import pytest
 
-from mlx_moestream.budget import BudgetError, auto_budget, parse_size, resolve_budget
+from mlx_moestream.budget import (BudgetError, auto_budget, cgroup_headrooms, parse_size,
+                                  resolve_budget)
 
 GiB = 2**30
 
@@ -49,3 +50,31 @@ def test_a_budget_that_is_not_a_share_or_a_finite_size_is_a_clear_error(spec, pr
 def test_a_size_of_hundreds_of_digits_is_exact_then_capped():
     assert parse_size("1" * 400) == int("1" * 400)
     assert resolve_budget("9" * 400, expert_bytes=1000, dense_bytes=0) == 1000
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_auto_stays_within_the_memory_limits_of_the_process_cgroups(tmp_path, version):
+    """A container's limit (here its parent's, the tighter one), not the host's free memory:
+    the limit less the usage, plus the inactive file pages the kernel reclaims first."""
+    if version == "v2":
+        line, top = "0::/box/job", tmp_path
+        files = ("memory.max", "memory.current", "inactive_file")
+    else:
+        line, top = "4:memory:/box/job", tmp_path / "memory"
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    limit, usage, inactive = files
+    for folder, values in ((top / "box", (4 * GiB, 3 * GiB, GiB // 2)),
+                           (top / "box" / "job", (8 * GiB, GiB, 0))):
+        folder.mkdir(parents=True)
+        (folder / limit).write_text(f"{values[0]}\n")
+        (folder / usage).write_text(f"{values[1]}\n")
+        (folder / "memory.stat").write_text(f"anon 1\n{inactive} {values[2]}\n")
+    (tmp_path / "cgroup").write_text(f"1:cpu:/elsewhere\n{line}\n")
+    headrooms = cgroup_headrooms(str(tmp_path / "cgroup"), str(tmp_path))
+    assert sorted(headrooms) == [GiB + GiB // 2, 7 * GiB]
+
+
+def test_a_cgroup_without_a_memory_limit_leaves_the_free_memory(tmp_path):
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "cgroup").write_text("0::/\n")
+    assert cgroup_headrooms(str(tmp_path / "cgroup"), str(tmp_path)) == []
