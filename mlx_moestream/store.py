@@ -46,6 +46,11 @@ REPACK_DIR = "moestream-experts"
 # bytes: a separate read costs a device round trip, worth a few hundred KB at disk speed.
 READ_RUN_BYTES = 8 * 2**20
 READ_GAP_BYTES = 256 * 2**10
+# A dropped read's range is widened to this alignment: the kernel drops only whole folios in a
+# range, and readahead caches large ones (up to 2 MiB, a huge page) across the read's edges,
+# which stayed cached: most of what a session read. Pages of the dense weights nearby may go
+# too; the model holds its own copy of those.
+DROP_ALIGN = 2 * 2**20
 # buffers one preadv takes (Linux and macOS: 1024)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
 REPACK_SCHEMA = "mlx-moestream-repack"
@@ -593,4 +598,6 @@ class ExpertStore:
                 f"model again"
             )
         if drop and self.drop_page_cache and not direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+            start = offset // DROP_ALIGN * DROP_ALIGN  # see DROP_ALIGN
+            end = -(-(offset + nbytes) // DROP_ALIGN) * DROP_ALIGN
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)

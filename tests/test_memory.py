@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 PROBE = r"""
 import json, sys
 import mlx.core as mx, mlx_lm
@@ -36,3 +38,46 @@ def test_active_memory_stays_within_dense_plus_budget_plus_kv(tiny_model):
     assert m["experts"] >= 10 * m["dense"]
     assert m["after_load"] <= 1.1 * (m["dense"] + m["budget"])
     assert m["peak"] <= 1.1 * (m["dense"] + m["budget"] + m["kv"])
+
+
+def _cached_bytes(path) -> int:
+    """Bytes of a file in the page cache now (mincore over a map of it)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    data = np.frombuffer(mapped, np.uint8)
+    pages = ctypes.create_string_buffer(-(-len(mapped) // mmap.PAGESIZE))
+    assert libc.mincore(data.ctypes.data, len(mapped), pages) == 0, ctypes.get_errno()
+    del data
+    mapped.close()
+    return sum(b & 1 for b in pages.raw) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
+def test_expert_reads_leave_the_page_cache(tiny_model):
+    """The kernel drops only whole folios in a dropped range, and readahead caches large ones
+    across a read's edges: an exact range left half of the file cached after a session."""
+    import os
+
+    import mlx_moestream
+    from mlx_moestream.testing import greedy_logits
+
+    path = tiny_model("qwen3_moe", num_experts=16, num_layers=4, hidden_size=256,
+                      moe_intermediate_size=512)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    shard = path / "model.safetensors"
+    fd = os.open(shard, os.O_RDONLY)  # what loading the dense weights left cached
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if _cached_bytes(shard):
+        pytest.skip("this file system keeps the pages it is told to drop (tmpfs)")
+    greedy_logits(model, decode_tokens=16)
+    assert mlx_moestream.stats(model)["bytes_read"] > shard.stat().st_size
+    assert _cached_bytes(shard) <= shard.stat().st_size // 20
