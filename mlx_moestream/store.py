@@ -149,6 +149,15 @@ def _page_aligned(array: np.ndarray) -> bool:
     return array.ctypes.data % mmap.PAGESIZE == 0 and array.flags.c_contiguous
 
 
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return os.stat(path)
+    except OSError as e:
+        gone = " (a link to a file that is gone: a download interrupted or cleaned up?)"
+        raise StoreError(f"{path}: cannot open: {e.strerror}"
+                         + (gone if path.is_symlink() else "")) from None
+
+
 def _identity(stat: os.stat_result) -> tuple[int, int, int]:
     """What tells a file rewritten in place: its size and modification time, and its status
     change time, which a write moves and no user can set back (`touch -d`, `cp -p` and
@@ -266,7 +275,7 @@ class ExpertStore:
         self.files = weight_files(self.model_dir)
         # what each file was before it was indexed: a read checks the file still is (see
         # `_read_run`), so a rewrite even while the headers are read fails every read of it
-        self.identity = [_identity(st) for st in map(os.stat, self.files)]
+        self.identity = [_identity(_stat(path)) for path in self.files]
         self.tensors: dict[str, TensorInfo] = {}
         for i, path in enumerate(self.files):
             for name, info in index_file(path, i).items():

@@ -20,6 +20,17 @@ def test_truncated_shard_names_the_file_and_tensor(model_copy):
         mlx_moestream.load(path)
 
 
+def test_a_shard_linked_to_a_file_that_is_gone_is_named(model_copy):
+    """A hub cache whose blob was deleted (an interrupted download, a cache cleaned up)."""
+    path = model_copy()
+    shard = path / "model.safetensors"
+    shard.unlink()
+    shard.symlink_to(path / "blobs-gone" / "0123abcd")
+    with pytest.raises(StoreError, match=r"model\.safetensors: cannot open: No such file or "
+                                         r"directory \(a link to a file that is gone"):
+        ExpertStore(path)
+
+
 def test_corrupt_header_json_names_the_file(model_copy):
     path = model_copy()
     shard = path / "model.safetensors"
