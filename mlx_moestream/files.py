@@ -38,6 +38,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         raise
 
 
+def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], what: str,
+                      error: type[ValueError] = ValueError) -> None:
+    """Writers replace an existing file only if it is one of theirs: `check` (a loader) raises
+    OSError or ValueError on any other, and then `error` says so. Never a file this tool did
+    not write."""
+    if os.path.lexists(path):
+        try:
+            check(Path(path))
+        except (OSError, ValueError):
+            raise error(f"refusing to replace {path}: it is not {what}") from None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 

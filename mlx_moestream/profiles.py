@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write_text
+from .files import atomic_write_text, check_replaceable
 
 SCHEMA = "mlx-moestream-profile"
 VERSION = 1
@@ -208,12 +208,7 @@ def save_target(name: str | Path) -> Path:
     else:
         raise ProfileError(f"'{name}' is neither a profile name (letters, digits, '.', '_', '-') "
                            f"nor a path ending in .json")
-    if path.exists():
-        try:
-            Profile.load(path)
-        except ProfileError:
-            raise ProfileError(f"refusing to replace {path}: it is not an mlx-moestream "
-                               f"profile") from None
+    check_replaceable(path, Profile.load, "an mlx-moestream profile", ProfileError)
     if path.parent.is_dir() and not os.access(path.parent, os.W_OK):
         raise ProfileError(f"cannot save profile {path}: {path.parent} is not writable")
     return path

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write, atomic_write_text
+from .files import atomic_write, atomic_write_text, check_replaceable
 from .store import (REPACK_SCHEMA, StoreError, manifest_checksum, read_manifest, repack_dir,
                     source_digest, weight_files)
 
@@ -80,16 +80,17 @@ def _check_out(out: Path) -> None:
     """Write only where a repack wrote before, if anything is there: never over a
     manifest.json or experts.bin that is not a repacked copy's."""
     manifest = out / "manifest.json"
-    if manifest.exists():
-        try:
-            ours = json.loads(manifest.read_text()).get("schema") == REPACK_SCHEMA
-        except (OSError, ValueError, AttributeError):
-            ours = False
-        if not ours:
-            raise StoreError(f"refusing to replace {manifest}: it is not a repack manifest")
+    if os.path.lexists(manifest):
+        check_replaceable(manifest, _read_schema, "a repack manifest", StoreError)
     elif (out / "experts.bin").exists():
         raise StoreError(f"refusing to replace {out / 'experts.bin'}: no repack manifest "
                          "beside it")
+
+
+def _read_schema(manifest: Path) -> None:
+    content = json.loads(manifest.read_text())
+    if not isinstance(content, dict) or content.get("schema") != REPACK_SCHEMA:
+        raise ValueError("not a repack manifest")
 
 
 def verify(folder: str | Path, model_dir: str | Path | None = None) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .cache import ExpertCache, split_slots
-from .files import atomic_write
+from .files import atomic_write, check_replaceable
 from .policies import Belady, Future, Policy
 from .profiles import Profile
 from .stats import Stats
@@ -166,10 +166,13 @@ def check_plot_target(path: str | Path) -> None:
         raise ValueError(f"{path}: plots are written as PNG: give a .png path")
     if not path.parent.is_dir():
         raise ValueError(f"cannot write {path}: no folder {path.parent}")
-    if path.exists():
-        with open(path, "rb") as f:
-            if f.read(len(PNG)) != PNG:
-                raise ValueError(f"refusing to replace {path}: it is not a PNG image")
+    check_replaceable(path, _read_png_signature, "a PNG image")
+
+
+def _read_png_signature(path: Path) -> None:
+    with open(path, "rb") as f:
+        if f.read(len(PNG)) != PNG:
+            raise ValueError("not a PNG")
 
 
 def save_png(fig, path: str | Path) -> None:

@@ -364,8 +364,8 @@ class Runtime:
                      started: list[tuple[int, Future]]) -> None:
         """Start the reads of `loads` ((expert, slot) pairs) on the I/O threads, adding each
         to `started` (empty, and tracked by the caller) as it starts. When one cannot start
-        (the pool was shut down, no thread could start), the experts not started leave their
-        slots before the error is raised: no slot is left claiming bytes that never land."""
+        (the pool was shut down), the experts not started leave their slots before the error
+        is raised: no slot is left claiming bytes that never land."""
         try:
             for expert, slot in loads:
                 started.append((expert, self.io.submit(self.read, layer, expert, slot)))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write
+from .files import atomic_write, check_replaceable
 
 _REQUIRED = ("experts", "num_experts")
 # A trace is routing ids: 1M tokens x 64 layers x top-8 as int16 is 1 GiB. Past this many bytes
@@ -228,12 +228,8 @@ def synthetic_trace(
 
 
 def check_save_target(path: str | os.PathLike) -> None:
-    """An existing file is replaced only if it is a trace: never a file this tool did not write."""
-    if os.path.lexists(path):
-        try:
-            Trace.load(path)
-        except TraceError:
-            raise TraceError(f"refusing to replace {path}: it is not a routing trace") from None
+    """An existing file is replaced only if it is a trace."""
+    check_replaceable(path, Trace.load, "a routing trace", TraceError)
 
 
 def _check_sizes(path, data: np.lib.npyio.NpzFile) -> None:
