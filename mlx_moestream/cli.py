@@ -40,6 +40,16 @@ def _fail(e: Exception) -> None:
     raise click.ClickException(str(e))
 
 
+def _torch_backend():
+    """`mlx_moestream.torch`, or a ValueError saying how to install it."""
+    try:
+        from . import torch as moestream_torch
+    except ImportError as e:
+        raise ValueError(f"the torch backend needs torch and transformers 5 ({e}): "
+                         "pip install 'mlx-moestream[torch]'") from None
+    return moestream_torch
+
+
 model_option = click.option(
     "--model", "-m",
     help="Model directory or Hugging Face repo id (default: the embedded bilingual model).")
@@ -110,13 +120,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             check_save_target(trace_path)
         profile = to_load[0] if to_load else None
         if backend == "torch":
-            try:
-                from . import torch as moestream_torch
-            except ImportError as e:
-                raise ValueError(f"the torch backend needs torch and transformers 5 ({e}): "
-                                 "pip install 'mlx-moestream[torch]'") from None
-
-            lm, tokenizer = moestream_torch.load(model, budget, device=device, policy=policy,
+            lm, tokenizer = _torch_backend().load(model, budget, device=device, policy=policy,
                                                  profile=profile, prewarm_share=prewarm_share,
                                                  pin_share=pin_share, per_layer=per_layer,
                                                  prefetch=prefetch, progress=_progress)
@@ -379,14 +383,25 @@ def _percent(rate: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--hosts", type=click.IntRange(1), default=1, show_default=True,
               help="Hosts sharing the experts (chat --distributed): the minimum budget per host.")
-def inspect(model, as_json, hosts):
+@click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
+              help="The backend to plan for: torch computes a layer's call at once, so its "
+                   "minimum budget holds every expert of one layer.")
+def inspect(model, as_json, hosts, backend):
     """Architecture, experts, bytes per expert, dense bytes and the minimum budget."""
     from .hub import resolve_model_path
     from .loader import load_lazy
 
+    if backend == "torch" and model is None:
+        raise click.UsageError("--backend torch needs --model: the embedded model is an MLX model")
+    if backend == "torch" and hosts > 1:
+        raise click.UsageError("--hosts needs --backend mlx")
     try:
-        plan = load_lazy(resolve_model_path(model))[-1]
-        info = plan.describe()
+        if backend == "torch":
+            plan = _torch_backend().plan_of(model)
+            info = {**plan.describe(), "min_budget_bytes": plan.budget_holding()}
+        else:
+            plan = load_lazy(resolve_model_path(model))[-1]
+            info = plan.describe()
         if hosts > 1:
             shares = [plan.host_share(h, hosts) for h in range(hosts)]
             info["hosts"] = hosts

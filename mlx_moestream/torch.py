@@ -71,7 +71,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     rows = ExpertRows([_rows(modules[e.module], e, store, layer.specs)
                        for e, layer in zip(experts, plan.layers)])
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                  plan.dense_bytes, memory)
+                                  plan.dense_bytes, memory, plan.budget_holding())
     weights = profile.working_set() if per_layer and profile is not None else None
     runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens, per_layer,
                       weights, whole_calls=True)
@@ -99,9 +99,14 @@ def _refuse_saving(*args, **kwargs) -> None:
                      "write the others as zeros; copy the checkpoint it was loaded from")
 
 
+def plan_of(model: str | Path, revision: str | None = None) -> ModelPlan:
+    """The plan `load` makes of this model (its dense weights are loaded to measure them)."""
+    return _build(resolve_model_path(model, revision), False, None)[3]
+
+
 def min_budget_bytes(model: str | Path, revision: str | None = None) -> int:
     """The smallest budget `load` takes for this model: every expert of one layer."""
-    return _build(resolve_model_path(model, revision), False, None)[3].budget_holding()
+    return plan_of(model, revision).budget_holding()
 
 
 def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None):

@@ -1,5 +1,6 @@
 """The torch backend streams transformers MoE models exactly: equal to `from_pretrained`'s."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -256,6 +257,20 @@ def test_chat_with_the_torch_backend_refuses_what_it_cannot_do(hf_model, args, m
     model = () if not args else ("-m", hf_model("mixtral"))
     out = chat(*model, *args, "--prompt", "Ciao")
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_inspect_for_the_torch_backend_states_the_minimum_its_load_takes(hf_model):
+    """The torch backend computes a layer's call at once: its minimum holds a whole layer's
+    experts, not one token's top-k (what the MLX backend needs)."""
+    path = hf_model("mixtral")
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "inspect", "--backend",
+                          "torch", "-m", str(path), "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    need = json.loads(out.stdout)["min_budget_bytes"]
+    with pytest.raises(BudgetError):
+        moestream_torch.load(path, budget=need - 1)
+    moestream_torch.load(path, budget=need)
 
 
 def test_the_readme_torch_commands_run_as_written(tmp_path):
