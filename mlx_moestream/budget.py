@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -39,8 +41,17 @@ def parse_size(text: str) -> int:
 
 def available_memory_bytes() -> int:
     """Memory the OS can give now: on Linux MemAvailable, within what the memory limits of the
-    process's cgroups leave (a container's: the host's free memory is not ours to take);
-    physical memory elsewhere."""
+    process's cgroups leave (a container's: the host's free memory is not ours to take); on
+    macOS the free and inactive pages `vm_stat` counts (what other apps hold is not ours);
+    physical memory where neither can be read."""
+    if sys.platform == "darwin":
+        try:
+            text = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            text = ""
+        free = vm_stat_available(text)
+        if free is not None:
+            return free
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -49,6 +60,16 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def vm_stat_available(text: str) -> int | None:
+    """Bytes free or inactive (reclaimable without swapping) in macOS `vm_stat` output, as
+    psutil counts available memory; None if the output is not vm_stat's."""
+    page = re.search(r"page size of (\d+) bytes", text)
+    counts = dict(re.findall(r"^Pages (free|inactive):\s+(\d+)\.?$", text, re.MULTILINE))
+    if not page or len(counts) < 2:
+        return None
+    return (int(counts["free"]) + int(counts["inactive"])) * int(page.group(1))
 
 
 def cgroup_headrooms(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
@@ -101,8 +122,10 @@ def resolve_budget(
     expert_bytes: int,
     dense_bytes: int,
     memory_bytes: int | None = None,
+    min_bytes: int = 0,
 ) -> int:
-    """Bytes for resident experts. None means all experts (a fully resident model)."""
+    """Bytes for resident experts. None means all experts (a fully resident model). `auto`
+    below `min_bytes` (what the runtime needs) is an error that says where the memory went."""
     if spec is None:
         return expert_bytes
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
@@ -110,7 +133,16 @@ def resolve_budget(
             raise BudgetError(f"budget must be a finite number of bytes, got {spec!r}")
         budget = int(spec)
     elif isinstance(spec, str) and spec.strip().lower() == "auto":
-        budget = auto_budget(expert_bytes, dense_bytes, memory_bytes or available_memory_bytes())
+        memory_bytes = memory_bytes or available_memory_bytes()
+        budget = auto_budget(expert_bytes, dense_bytes, memory_bytes)
+        if budget < min_bytes:
+            reserve = max(AUTO_RESERVE_MIN_BYTES, int(memory_bytes * AUTO_RESERVE_FRACTION))
+            raise BudgetError(
+                f"budget auto: {format_bytes(memory_bytes)} of free memory, less "
+                f"{format_bytes(dense_bytes)} of dense weights and a reserve of "
+                f"{format_bytes(reserve)} for the KV cache and activations, leaves "
+                f"{format_bytes(budget)}, below the minimum {format_bytes(min_bytes)}: free "
+                f"memory, or give a budget of at least the minimum (it may swap)")
     elif isinstance(spec, str) and spec.strip().endswith("%"):
         m = re.fullmatch(NUMBER + "%", spec.strip())
         if not m:

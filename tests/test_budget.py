@@ -1,7 +1,9 @@
 import pytest
 
+import mlx_moestream
+from mlx_moestream import loader
 from mlx_moestream.budget import (BudgetError, auto_budget, cgroup_headrooms, parse_size,
-                                  resolve_budget)
+                                  resolve_budget, vm_stat_available)
 
 GiB = 2**30
 
@@ -78,3 +80,29 @@ def test_a_cgroup_without_a_memory_limit_leaves_the_free_memory(tmp_path):
     (tmp_path / "memory.max").write_text("max\n")
     (tmp_path / "cgroup").write_text("0::/\n")
     assert cgroup_headrooms(str(tmp_path / "cgroup"), str(tmp_path)) == []
+
+
+def test_auto_below_the_minimum_says_where_the_memory_went(tiny_model, monkeypatch):
+    """Not "budget 0 B is below the minimum", which names a budget nobody gave."""
+    monkeypatch.setattr(loader, "memory_bytes", lambda: 2 * GiB)  # a machine with 2 GiB free
+    with pytest.raises(BudgetError, match=r"budget auto: 2.0 GiB of free memory, less .* of "
+                       r"dense weights and a reserve of 2.0 GiB .* leaves .*, below the minimum"):
+        mlx_moestream.load(tiny_model(), budget="auto")
+
+
+VM_STAT = """Mach Virtual Memory Statistics: (page size of 16384 bytes)
+Pages free:                               12345.
+Pages active:                            500000.
+Pages inactive:                          200000.
+Pages speculative:                         3000.
+Pages throttled:                              0.
+Pages wired down:                        150000.
+Pages purgeable:                           9000.
+"""
+
+
+def test_free_memory_on_macos_is_what_vm_stat_counts_free_or_inactive():
+    """Other apps' memory is not ours to take (parsed from vm_stat's output format; this
+    machine is not a Mac)."""
+    assert vm_stat_available(VM_STAT) == (12345 + 200000) * 16384
+    assert vm_stat_available("vm_stat: command not found") is None
