@@ -49,7 +49,11 @@ def split_slots(
         return np.clip(scale * w, minimum, high)
 
     most = np.where(w > 0, high, minimum)
-    if most.sum() <= total_slots:  # every layer that can grow is at `maximum`
+    if most.sum() <= total_slots:  # every weighted layer is at `maximum`: the rest, evenly, to
+        unused = w == 0  # the layers the weights left at their minimum
+        if unused.any():
+            left = total_slots - int(most[~unused].sum())
+            most[unused] = split_slots(left, np.ones(int(unused.sum())), minimum, maximum)
         return most.astype(np.int64).tolist()
     lo, hi = 0.0, total_slots / w[w > 0].min()  # shares(lo) sum below the budget, hi's not
     for _ in range(100):

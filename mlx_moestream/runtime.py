@@ -146,7 +146,7 @@ class Runtime:
                         f"({len(group) * room} slots)"
                     )
                 weights = np.ones(len(group)) if layer_weights is None else layer_weights[group]
-                layer_slots = split_slots(slots, weights, room)
+                layer_slots = split_slots(slots, weights, room, plan.num_experts)
             pool = new_pool(plan.layers[group[0]], slots)
             cache = ExpertCache(slots, group, plan.num_experts, plan.num_layers, policy, layer_slots)
             self.pools.append(pool)

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -42,3 +43,12 @@ def test_outputs_are_identical_with_and_without_a_profile(italian_ids):
 def test_shipped_profiles_match_the_embedded_model(name):
     model, _ = mlx_moestream.load(budget="30%", profile=name)
     assert mlx_moestream.stats(model)["prewarm"]["experts"] > 0
+
+
+def test_a_budget_for_every_expert_split_per_layer_by_a_profile_holds_every_expert():
+    """A skewed profile gave its widest layer more slots than it has experts: the budget held
+    all of them, yet the narrowest layer kept evicting."""
+    model, tokenizer = mlx_moestream.load(budget="100%", per_layer=True, profile="python-code")
+    mlx_lm.generate(model, tokenizer, "def f(x):\n    return x", max_tokens=48)
+    stats = mlx_moestream.stats(model)
+    assert stats["evictions"] == 0 and stats["loads"] == stats["slots"]

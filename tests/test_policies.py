@@ -586,6 +586,12 @@ def test_split_slots_gives_every_layer_its_minimum():
     assert split_slots(50, [1, 0, 0, 50], minimum=8) == [8, 8, 8, 26]
 
 
+def test_split_slots_gives_what_the_weighted_layers_cannot_hold_to_the_others():
+    """A layer the profile never saw used takes the slots left once the others are full."""
+    assert split_slots(60, [1, 0, 1, 1], minimum=2, maximum=16) == [16, 12, 16, 16]
+    assert split_slots(80, [1, 0, 0, 1], minimum=2, maximum=16) == [16, 16, 16, 16]
+
+
 def test_split_slots_caps_at_maximum_and_leaves_the_rest_unused():
     assert split_slots(100, [1, 1, 1, 50], minimum=8, maximum=40) == [20, 20, 20, 40]
     assert split_slots(1000, [1, 1], minimum=8, maximum=128) == [128, 128]
