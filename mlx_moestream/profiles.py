@@ -38,6 +38,11 @@ class Profile:
     half_life_tokens: int
     layer_names: list[str]
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    path: Path | None = None  # the file it was loaded from, to name in errors
+
+    @property
+    def named(self) -> str:
+        return f"'{self.workload}'" + (f" ({self.path})" if self.path else "")
 
     @classmethod
     def of(cls, stats, workload: str, model: dict) -> "Profile":
@@ -81,17 +86,28 @@ class Profile:
             raise ProfileError(f"{path}: profile version {data.get('version')} is not {VERSION}")
         try:
             layers = data["layers"]
-            counts = np.array([l["counts"] for l in layers], dtype=np.int64)
+            counts = np.array([l["counts"] for l in layers], dtype=np.float64)  # checked below
             decayed = np.array([l["decayed"] for l in layers], dtype=np.float64)
             profile = cls(str(data["workload"]), dict(data["model"]), counts, decayed,
                           int(data["tokens"]), int(data["half_life_tokens"]),
                           [str(l["name"]) for l in layers], str(data["created"]))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProfileError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
-        if counts.ndim != 2 or counts.shape != decayed.shape or (counts < 0).any():
-            raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts] >= 0)")
+        if (counts.ndim != 2 or counts.shape != decayed.shape
+                or not ((counts >= 0) & (counts < 2**53) & (counts == counts.round())).all()):
+            raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts] "
+                               f"whole numbers >= 0)")
+        profile.counts, profile.path = counts.astype(np.int64), path
         if not np.isfinite(decayed).all() or (decayed < 0).any():
             raise ProfileError(f"{path}: malformed profile (decayed counts must be finite, >= 0)")
+        if profile.tokens < 0 or profile.half_life_tokens < 1:
+            raise ProfileError(f"{path}: malformed profile (tokens must be >= 0 and "
+                               f"half_life_tokens >= 1)")
+        shape = (profile.model.get("moe_layers"), profile.model.get("experts"))
+        if None not in shape and counts.shape != shape:
+            raise ProfileError(
+                f"{path}: malformed profile (counts for {counts.shape[0]} layers x "
+                f"{counts.shape[1]} experts, but its model record says {shape[0]} x {shape[1]})")
         return profile
 
     def check_model(self, model: dict, source: str = "profile", target: str = "this model"
@@ -100,13 +116,13 @@ class Profile:
         have the model's shape (one row per MoE layer, one count per expert)."""
         if self.model.get("fingerprint") != model["fingerprint"]:
             raise ProfileError(
-                f"{source} '{self.workload}' was recorded on {describe(self.model)} "
+                f"{source} {self.named} was recorded on {describe(self.model)} "
                 f"but {target} is {describe(model)}"
             )
         shape = (model.get("moe_layers"), model.get("experts"))
         if None not in shape and self.counts.shape != shape:
             raise ProfileError(
-                f"{source} '{self.workload}' has counts for {self.counts.shape[0]} layers x "
+                f"{source} {self.named} has counts for {self.counts.shape[0]} layers x "
                 f"{self.counts.shape[1]} experts, but {target} has {shape[0]} x {shape[1]}"
             )
 

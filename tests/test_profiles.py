@@ -122,10 +122,10 @@ def test_profile_recorded_on_float_model_applies_to_its_quantized_version(tiny_m
     assert mlx_moestream.stats(quantized)["prewarm"]["experts"] > 0
 
 
-def _profile_json(counts, decayed) -> str:
+def _profile_json(counts, decayed, model=None, half_life_tokens=256) -> str:
     return json.dumps({
         "schema": "mlx-moestream-profile", "version": 1, "workload": "w", "created": "now",
-        "model": {"fingerprint": "f"}, "tokens": 1, "half_life_tokens": 256,
+        "model": model or {"fingerprint": "f"}, "tokens": 1, "half_life_tokens": half_life_tokens,
         "layers": [{"name": "l0", "counts": counts, "decayed": decayed}]})
 
 
@@ -136,6 +136,11 @@ def _profile_json(counts, decayed) -> str:
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     (_profile_json([1e30, 1], [1, 1]), "malformed profile"),
     (_profile_json([1, 1], [float("nan"), 1]), "must be finite"),
+    (_profile_json([1.7, 1], [1, 1]), "whole numbers"),
+    (_profile_json([1, 1], [1, 1], half_life_tokens=0), "half_life_tokens >= 1"),
+    # merged with a profile of its model, such counts were broadcast over every expert
+    (_profile_json([1], [1], {"fingerprint": "f", "moe_layers": 1, "experts": 2}),
+     "counts for 1 layers x 1 experts, but its model record says 1 x 2"),
 ])
 def test_malformed_profile_is_a_clear_error(tmp_path, content, problem):
     (tmp_path / "bad.json").write_text(content)
@@ -465,7 +470,7 @@ def test_merging_profiles_of_two_models_names_both(tiny_model, tmp_path):
     out = _cli("profile", "merge", tmp_path / "a.json", tmp_path / "b.json", "-o",
                tmp_path / "ab.json", cwd=tmp_path)
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert "second profile 'b' was recorded on mixtral" in out.stderr
+    assert f"second profile 'b' ({tmp_path / 'b.json'}) was recorded on mixtral" in out.stderr
     assert "but the first profile's model is qwen3_moe" in out.stderr
 
 
