@@ -214,10 +214,14 @@ def _torch_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict
     from transformers import TextStreamer
 
     class Echo(TextStreamer):
-        first = None
+        first = None  # when the first generated token came: the prompt's time ends there
+
+        def put(self, value) -> None:
+            if not self.next_tokens_are_prompt and self.first is None:
+                self.first = time.perf_counter()
+            super().put(value)
 
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-            self.first = self.first or time.perf_counter()
             click.echo(text, nl=stream_end)
 
     tokens = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
@@ -231,7 +235,7 @@ def _torch_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict
     generated = out.shape[-1] - len(tokens)
     text = tokenizer.decode(out[0, len(tokens):], skip_special_tokens=True)
     return text, _Timing(len(tokens), len(tokens) / max(first - start, 1e-9), generated,
-                         generated / max(end - start, 1e-9))
+                         generated / max(end - first, 1e-9))  # as mlx-lm counts it
 
 
 def _check_writable(path: Path) -> None:
@@ -358,8 +362,8 @@ def format_stats(s: dict, response=None) -> str:
                         else f", before it {_percent(w['hit_rate_before'])}"))
     if s["prefetch"]:
         lines.append(f"prefetch: {s['prefetch_loads']} reads, {s['prefetch_used']} used; "
-                     f"prediction precision {s['prediction_precision']:.0%}, recall "
-                     f"{s['prediction_recall']:.0%}; stalled {s['stall_ms']:.0f} ms")
+                     f"prediction precision {_percent(s['prediction_precision'])}, recall "
+                     f"{_percent(s['prediction_recall'])}; stalled {s['stall_ms']:.0f} ms")
     windows = s["hit_rate_windows"][-8:]
     if windows:
         lines.append("hit rate per window: " + " ".join(f"{w['hit_rate']:.0%}" for w in windows))

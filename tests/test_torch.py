@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +248,33 @@ def test_chat_with_the_torch_backend_answers_and_reports_the_cache(hf_model):
     out = chat("-m", hf_model("mixtral"), "--budget", "40%", "--prompt", "Ciao", "-n", 6)
     assert out.returncode == 0, out.stderr
     assert "generated at" in out.stdout and "experts, session so far: hit rate" in out.stdout
+
+
+def test_chat_statistics_of_a_prefetch_that_scored_nothing_say_so(hf_model):
+    """One token is the prompt's: no decode call predicted, precision and recall unknown."""
+    out = chat("-m", hf_model("mixtral"), "--budget", "60%", "--prefetch", "--prompt", "Ciao",
+               "-n", 1)
+    assert out.returncode == 0, out.stderr
+    assert "prediction precision -, recall -" in out.stdout
+
+
+def test_chat_decode_speed_leaves_out_the_prompt(hf_model, monkeypatch, capsys):
+    """tok/s of the generated tokens counts from the first one, as mlx-lm does: a slow prompt
+    does not make a fast decode look slow."""
+    from mlx_moestream import cli
+
+    model, tokenizer = moestream_torch.load(hf_model("mixtral"), budget="40%")
+    forward = model.forward
+
+    def slow_prompt(input_ids=None, **kwargs):
+        if input_ids.shape[-1] > 1:
+            time.sleep(1.0)
+        return forward(input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow_prompt)
+    _, timing = cli._torch_reply(model, tokenizer, 8, 0.0, [{"role": "user", "content": "Ciao"}])
+    assert timing.generation_tokens == 8 and timing.generation_tps > 8 / 0.5
+    assert timing.prompt_tps < timing.prompt_tokens / 1.0
 
 
 @pytest.mark.parametrize("args, message", [
