@@ -246,8 +246,9 @@ class ExpertCache:
                      ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Seed the policies with `profile`'s counts (each layer's hottest expert counting
         `SEED_USES`) and choose what to pre-warm: the hottest experts that fit in `share` of
-        the slots, in file order (layer, expert), and the hottest of those to pin in `pin_share`
-        (leaving each partition room for one call's `call_experts` unpinned). The caller
+        the slots (or `pin_share`, if more), in file order (layer, expert), and the hottest of
+        those to pin in `pin_share` (leaving each partition room for one call's `call_experts`
+        unpinned). The caller
         `admit`s the first and loads them, then `pin`s the second: the runtime and replay
         pre-warm alike."""
         check_shares(share, pin_share)
@@ -259,7 +260,7 @@ class ExpertCache:
             taken = self.resident_in(layer) if self.per_layer else 0
             return max(0, self.capacity(layer) - taken)
 
-        wanted = max(0, int(self.num_slots * share) - self.resident)
+        wanted = max(0, int(self.num_slots * max(share, pin_share)) - self.resident)  # pins too
         hot = [(l, e) for l, e in profile.hottest(wanted, [room(l) for l in range(len(self.slot_of))])
                if self.slot_of[l, e] < 0]
         # pins of an earlier pre-warm count: toward the share and the room left for a call

@@ -107,6 +107,15 @@ def test_prewarm_share_limits_the_warm_set(tiny_model, tmp_path):
     assert mlx_moestream.stats(model)["prewarm"]["experts"] == 4
 
 
+def test_pins_are_read_even_beyond_the_prewarm_share(tiny_model, tmp_path):
+    """Pinning the hottest half of the budget reads them, whatever share is pre-warmed."""
+    path = tiny_model("qwen3_moe")
+    profile_path = _saved_profile(path, tmp_path, "50%")
+    model, _ = mlx_moestream.load(path, budget="50%", profile=profile_path, prewarm_share=0,
+                                  pin_share=0.5)
+    assert mlx_moestream.stats(model)["prewarm"]["pinned"] == 4
+
+
 def test_profile_of_another_model_is_refused_naming_both(tiny_model, tmp_path):
     qwen, _ = _session(tiny_model("qwen3_moe"), budget="50%")
     profile_path = mlx_moestream.save_profile(qwen, tmp_path / "qwen.json")
