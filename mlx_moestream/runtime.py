@@ -553,8 +553,14 @@ class Runtime:
                 "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
 
     def stats_dict(self) -> dict:
-        self.count_deferred()
-        out = self.stats.as_dict()
+        with self.lock:  # as a layer call would: the reads a call cut short left running first,
+            if self.unfinished:  # so that every resident expert has its load counted
+                try:
+                    self._finish_unfinished()
+                except StoreError:  # counted and forgotten: the next call reads them again
+                    pass
+            self.count_deferred()
+            out = self.stats.as_dict()
         out.update(
             budget_bytes=self.budget_bytes,
             resident_bytes=self.resident_bytes,

@@ -248,3 +248,27 @@ def test_an_expert_forgotten_twice_frees_its_slot_once(tiny_model):
     runtime.forget(0, 1)
     free = runtime.caches[0].free
     assert len(set(free)) == len(free) and min(free) >= 0
+
+
+def test_statistics_right_after_an_interrupt_count_the_reads_it_left_running(tiny_model,
+                                                                            monkeypatch):
+    """Ctrl-C while a prompt waits for its reads leaves them running; `stats()` counts them
+    before it reports, so every resident expert has its load."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="50%")
+    runtime, fired = model.moestream, []
+    original = runtime.read
+
+    def read(layer, expert, slot):
+        if threading.current_thread() is not threading.main_thread() and not fired:
+            fired.append(True)
+            _thread.interrupt_main()
+            time.sleep(0.3)  # the main thread, waiting for this read, takes the interrupt
+        return original(layer, expert, slot)
+
+    monkeypatch.setattr(runtime, "read", read)
+    with pytest.raises(KeyboardInterrupt):
+        mx.eval(model(mx.array([list(range(3, 40))])))
+    time.sleep(0.5)  # every read has landed
+    stats = mlx_moestream.stats(model)
+    resident = sum(cache.resident for cache in runtime.caches)
+    assert fired and stats["loads"] - stats["evictions"] == resident > 0
