@@ -75,7 +75,13 @@ class Trace:
                 raise TraceError(f"{path}: not an .npz archive")
             with data:
                 _check_sizes(path, data)
-                arrays = {name: data[name] for name in data.files}
+                arrays = {}
+                for name in data.files:
+                    try:
+                        arrays[name] = data[name]
+                    except ValueError:  # pickled objects, never loaded: another tool's
+                        if name in _REQUIRED + _OPTIONAL:  # metadata is left out
+                            raise
         except TraceError:
             raise
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:

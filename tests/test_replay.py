@@ -225,6 +225,13 @@ def test_a_trace_from_another_tool_loads_with_its_extra_arrays_kept_aside(tmp_pa
     assert str(trace.extras["model"]) == "gpt-oss-20b"
 
 
+def test_a_trace_with_metadata_of_pickled_objects_loads_without_them(tmp_path):
+    """Never unpickled (it could run code): left out, as any extra array is ignored."""
+    notes = np.array([{"prompt": 1}, None], dtype=object)
+    trace = Trace.load(_write(tmp_path / "t.npz", notes=notes, model=np.array("m")))
+    assert trace.tokens == 2 and sorted(trace.extras) == ["model"]
+
+
 @pytest.mark.parametrize(
     "changes, problem",
     [
