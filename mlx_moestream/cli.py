@@ -528,6 +528,8 @@ def profile_record(name, text_path, model):
         except UnicodeDecodeError as e:
             raise ValueError(f"{text_path}: not UTF-8 text ({e.reason} at byte {e.start})") \
                 from None
+        if not text.strip():
+            raise ValueError(f"{text_path}: no text, so nothing to profile")
         lm, tokenizer = loader.load(model, budget="100%")
         tokens = loader.run_text(lm, tokenizer, text)
         click.echo(f"{tokens} tokens: {session.save_profile(lm, target)}")

@@ -217,6 +217,7 @@ def test_profile_record_runs_a_text_and_saves_its_profile(tiny_model, tmp_path):
 @pytest.mark.parametrize("name, text, problem", [
     ("bad name!", "fine", "'bad name!' is neither a profile name"),
     ("p.json", b"\xff\xfe not utf-8", "text.txt: not UTF-8 text (invalid start byte at byte 0)"),
+    ("p.json", " \n", "text.txt: no text, so nothing to profile"),  # saved an empty profile
 ])
 def test_profile_record_checks_its_name_and_text_before_the_model_runs(tmp_path, name, text,
                                                                        problem):
