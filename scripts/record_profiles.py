@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_moestream
 from mlx_moestream.hub import EMBEDDED_MODEL
 from mlx_moestream.files import atomic_write_text
+from mlx_moestream.policies import DEFAULT_POLICY
 
 PROFILES = {"italian-chat": "italian", "english-chat": "english", "python-code": "python"}
 WINDOW = 32
@@ -44,7 +45,7 @@ def record(out_dir: Path) -> None:
 
 
 def hits_per_token(profile: str | None, ids: list[int], budget: str,
-                   policy: str = "wlfu") -> np.ndarray:
+                   policy: str = DEFAULT_POLICY) -> np.ndarray:
     """Hit rate of each decoded token (over all layers' accesses of that token)."""
     model, _ = mlx_moestream.load(budget=budget, profile=profile, policy=policy)
     cache = make_prompt_cache(model)
@@ -92,7 +93,7 @@ def switch(tokens: int, budget: str) -> list[dict]:
     italian = tokenizer.encode(split("italian")[1])[:tokens]
     python = tokenizer.encode(split("python")[1])[:tokens]
     rows = []
-    for policy in ("wlfu", "lru"):
+    for policy in (DEFAULT_POLICY, "wlfu", "lru"):
         alone = hits_per_token(None, python, budget, policy)
         steady = float(alone[len(alone) // 2 :].mean())
         after = hits_per_token(None, italian + python, budget, policy)[len(italian) :]
@@ -104,7 +105,7 @@ def switch(tokens: int, budget: str) -> list[dict]:
 
 def markdown(rows: list[dict], switches: list[dict], budget: str) -> str:
     lines = [
-        f"Budget {budget} of expert bytes; prompts are the last third of each held-out text, "
+        f"Budget {budget} of expert bytes, policy {DEFAULT_POLICY} (the default); prompts are the last third of each held-out text, "
         "decoded one token at a time; profiles are recorded from the first two thirds "
         "(`python scripts/record_profiles.py --markdown docs/embedded-model.md`). Recovery: "
         f"tokens until the trailing-{WINDOW}-token hit rate reaches the no-profile steady state "
