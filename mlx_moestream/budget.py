@@ -63,13 +63,13 @@ def available_memory_bytes() -> int:
 
 
 def vm_stat_available(text: str) -> int | None:
-    """Bytes free or inactive (reclaimable without swapping) in macOS `vm_stat` output, as
-    psutil counts available memory; None if the output is not vm_stat's."""
+    """Bytes free, speculative or inactive (reclaimable without swapping) in macOS `vm_stat`
+    output; None if the output is not vm_stat's."""
     page = re.search(r"page size of (\d+) bytes", text)
-    counts = dict(re.findall(r"^Pages (free|inactive):\s+(\d+)\.?$", text, re.MULTILINE))
-    if not page or len(counts) < 2:
+    counts = re.findall(r"^Pages (?:free|speculative|inactive):\s+(\d+)\.?$", text, re.MULTILINE)
+    if not page or len(counts) < 3:
         return None
-    return (int(counts["free"]) + int(counts["inactive"])) * int(page.group(1))
+    return sum(map(int, counts)) * int(page.group(1))
 
 
 def cgroup_headrooms(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
@@ -113,8 +113,12 @@ def _headroom(folder: Path, limit_file: str, usage_file: str, inactive: str) -> 
 
 def auto_budget(expert_bytes: int, dense_bytes: int, memory_bytes: int) -> int:
     """All experts if they fit; otherwise what memory leaves after dense weights and a reserve."""
-    reserve = max(AUTO_RESERVE_MIN_BYTES, int(memory_bytes * AUTO_RESERVE_FRACTION))
-    return max(0, min(expert_bytes, memory_bytes - dense_bytes - reserve))
+    return max(0, min(expert_bytes, memory_bytes - dense_bytes - auto_reserve(memory_bytes)))
+
+
+def auto_reserve(memory_bytes: int) -> int:
+    """What `auto` leaves free for the KV cache, activations and the OS."""
+    return max(AUTO_RESERVE_MIN_BYTES, int(memory_bytes * AUTO_RESERVE_FRACTION))
 
 
 def resolve_budget(
@@ -136,11 +140,10 @@ def resolve_budget(
         memory_bytes = memory_bytes or available_memory_bytes()
         budget = auto_budget(expert_bytes, dense_bytes, memory_bytes)
         if budget < min_bytes:
-            reserve = max(AUTO_RESERVE_MIN_BYTES, int(memory_bytes * AUTO_RESERVE_FRACTION))
             raise BudgetError(
-                f"budget auto: {format_bytes(memory_bytes)} of free memory, less "
+                f"budget auto: {format_bytes(memory_bytes)} of usable memory, less "
                 f"{format_bytes(dense_bytes)} of dense weights and a reserve of "
-                f"{format_bytes(reserve)} for the KV cache and activations, leaves "
+                f"{format_bytes(auto_reserve(memory_bytes))} for the KV cache and activations, leaves "
                 f"{format_bytes(budget)}, below the minimum {format_bytes(min_bytes)}: free "
                 f"memory, or give a budget of at least the minimum (it may swap)")
     elif isinstance(spec, str) and spec.strip().endswith("%"):

@@ -263,6 +263,7 @@ class ExpertCache:
         wanted = max(0, int(self.num_slots * max(share, pin_share)) - self.resident)  # pins too
         hot = [(l, e) for l, e in profile.hottest(wanted, [room(l) for l in range(len(self.slot_of))])
                if self.slot_of[l, e] < 0]
+        soft = hot[: max(0, int(self.num_slots * share) - self.resident)]
         # pins of an earlier pre-warm count: toward the share and the room left for a call
         pins, pinned = [], self.pinned_count.copy()
         for layer, expert in hot[: max(0, int(self.num_slots * pin_share) - self.pinned_total)]:
@@ -273,7 +274,7 @@ class ExpertCache:
         seed = profile.seed_counts(SEED_USES)
         self.seed({int(self.key_of[l, e]): float(seed[l, e])
                    for l in layers for e in np.flatnonzero(seed[l])})
-        return sorted(hot), pins
+        return sorted(set(soft) | set(pins)), pins
 
     def pin(self, layer: int, expert: int) -> None:
         """Keep a resident expert for good: it leaves its policy, so it is never a victim."""

@@ -468,10 +468,8 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
         profile = None
         if profile_name:
             profile = _load_profile(profile_name)
-            if profile.counts.shape != (trace.layers, trace.num_experts):
-                raise ValueError(
-                    f"profile '{profile.workload}' has {profile.counts.shape[0]} layers x "
-                    f"{profile.counts.shape[1]} experts, the trace {trace.layers} x {trace.num_experts}")
+            profile.check_shape({"moe_layers": trace.layers, "experts": trace.num_experts},
+                                target="the trace")
         if sweep:  # the capacities that hold one token's experts
             capacities = [c for c in (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
                           if rp.fits(trace, c, per_layer)]

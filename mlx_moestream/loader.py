@@ -43,7 +43,8 @@ def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = 
 
 
 def memory_bytes() -> int:
-    """Memory MLX may use: the GPU working-set limit on Apple silicon, else what the OS has free."""
+    """Memory MLX may use: what the OS has free (`available_memory_bytes`), within the GPU
+    working-set limit on Apple silicon."""
     info = mx.device_info()
     limit = info.get("max_recommended_working_set_size")
     return min(limit, available_memory_bytes()) if limit else available_memory_bytes()

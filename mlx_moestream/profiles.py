@@ -103,11 +103,7 @@ class Profile:
         if profile.tokens < 0 or profile.half_life_tokens < 1:
             raise ProfileError(f"{path}: malformed profile (tokens must be >= 0 and "
                                f"half_life_tokens >= 1)")
-        shape = (profile.model.get("moe_layers"), profile.model.get("experts"))
-        if None not in shape and counts.shape != shape:
-            raise ProfileError(
-                f"{path}: malformed profile (counts for {counts.shape[0]} layers x "
-                f"{counts.shape[1]} experts, but its model record says {shape[0]} x {shape[1]})")
+        profile.check_shape(profile.model, "malformed profile", "its own model record")
         return profile
 
     def check_model(self, model: dict, source: str = "profile", target: str = "this model"
@@ -119,6 +115,12 @@ class Profile:
                 f"{source} {self.named} was recorded on {describe(self.model)} "
                 f"but {target} is {describe(model)}"
             )
+        self.check_shape(model, source, target)
+
+    def check_shape(self, model: dict, source: str = "profile", target: str = "this model"
+                    ) -> None:
+        """Refuse counts that are not one row per MoE layer of `model` (its `moe_layers`, where
+        known), one count per expert."""
         shape = (model.get("moe_layers"), model.get("experts"))
         if None not in shape and self.counts.shape != shape:
             raise ProfileError(

@@ -236,10 +236,7 @@ class Runtime:
         when the call must be computed by `rounds` or computes nothing."""
         if self.closed and compute:
             raise _closed()
-        if self.prefetch and self.prefetch.reads:
-            self.prefetch.wait(layer)
-        if self.unfinished:
-            self._finish_unfinished()
+        self._finish_reads(layer)
         if layer == 0:
             tokens = ids.size // ids.shape[-1]
             self.stats.tick(tokens)
@@ -258,6 +255,14 @@ class Runtime:
         if len(experts) > self.capacity(layer):
             return None
         return experts, ids
+
+    def _finish_reads(self, layer: int) -> None:
+        """Finish the reads in flight (a prefetch's, those a call left running), counting each
+        (a wait counts as `layer`'s stall)."""
+        if self.prefetch and self.prefetch.reads:
+            self.prefetch.wait(layer)
+        if self.unfinished:
+            self._finish_unfinished()
 
     def _reading(self, layer: int, experts: list[int]) -> None:
         """A prefetch must not evict the experts of the call about to compute."""
@@ -488,7 +493,8 @@ class Runtime:
 
     def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
                 progress=None) -> dict:
-        """Read a profile's hottest experts into free slots (up to `share` of each pool), in
+        """Read a profile's hottest experts into free slots (up to `share` of each pool, and the
+        `pin_share` pinned), in
         file order, and seed the policies with its decayed counts: these pins are soft, the
         seeded counts decay like live ones. The hottest `pin_share` of each pool is pinned for
         good (leaving every layer room for one call's experts: `call_experts`).
@@ -554,11 +560,10 @@ class Runtime:
 
     def stats_dict(self) -> dict:
         with self.lock:  # as a layer call would: the reads a call cut short left running first,
-            if self.unfinished:  # so that every resident expert has its load counted
-                try:
-                    self._finish_unfinished()
-                except StoreError:  # counted and forgotten: the next call reads them again
-                    pass
+            try:  # so that every resident expert has its load counted
+                self._finish_reads(0)
+            except StoreError:  # counted in read_errors, the expert forgotten: the next call
+                pass  # that needs it reads it again and reports the error
             self.count_deferred()
             out = self.stats.as_dict()
         out.update(

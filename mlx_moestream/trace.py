@@ -6,7 +6,8 @@ A trace file is an `.npz` holding
   weights     float16 [tokens, layers, k] optional router weights
   segment_id  integer [tokens]           optional: which workload each token belongs to
 Other arrays (a converter's metadata: `model`, `source`, `segment_names`, ...) are kept in
-`Trace.extras`, for display, and otherwise ignored. Plain numpy (no mlx), like the cache and the policies that replay it.
+`Trace.extras`, for display, and otherwise ignored; those of pickled objects are left out
+(never unpickled). Plain numpy (no mlx), like the cache and the policies that replay it.
 """
 
 from __future__ import annotations
@@ -74,14 +75,11 @@ class Trace:
             if not isinstance(data, np.lib.npyio.NpzFile):
                 raise TraceError(f"{path}: not an .npz archive")
             with data:
-                _check_sizes(path, data)
-                arrays = {}
-                for name in data.files:
-                    try:
-                        arrays[name] = data[name]
-                    except ValueError:  # pickled objects, never loaded: another tool's
-                        if name in _REQUIRED + _OPTIONAL:  # metadata is left out
-                            raise
+                pickled = _check_sizes(path, data)
+                # pickled objects are never loaded (that could run code): another tool's
+                # metadata of that kind is left out
+                arrays = {name: data[name] for name in data.files
+                          if name not in pickled or name in _REQUIRED + _OPTIONAL}
         except TraceError:
             raise
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
@@ -238,9 +236,10 @@ def check_save_target(path: str | os.PathLike) -> None:
     check_replaceable(path, Trace.load, "a routing trace", TraceError)
 
 
-def _check_sizes(path, data: np.lib.npyio.NpzFile) -> None:
-    """Refuse an archive whose arrays, by their headers, add up to more than MAX_TRACE_BYTES."""
-    total = 0
+def _check_sizes(path, data: np.lib.npyio.NpzFile) -> set[str]:
+    """Refuse an archive whose arrays, by their headers, add up to more than MAX_TRACE_BYTES;
+    return the names of those that hold pickled objects."""
+    total, pickled = 0, set()
     for member in data.zip.namelist():
         with data.zip.open(member) as f:
             version = np.lib.format.read_magic(f)
@@ -249,10 +248,13 @@ def _check_sizes(path, data: np.lib.npyio.NpzFile) -> None:
             if header is None:  # read as any unreadable file: "cannot read a trace .npz"
                 raise ValueError(f"array '{member}' has no .npy header")
             shape, _, dtype = header(f)
+        if dtype.hasobject:
+            pickled.add(member.removesuffix(".npy"))
         total += math.prod(shape) * dtype.itemsize
         if total > MAX_TRACE_BYTES:
             raise TraceError(f"{path}: array '{member.removesuffix('.npy')}' would expand the "
                              f"trace past {MAX_TRACE_BYTES >> 30} GiB ({shape} {dtype}): refused")
+    return pickled
 
 
 def _problem(experts, num_experts, weights=None, segment_id=None) -> str | None:

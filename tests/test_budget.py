@@ -1,9 +1,11 @@
+import subprocess
+
 import pytest
 
 import mlx_moestream
-from mlx_moestream import loader
-from mlx_moestream.budget import (BudgetError, auto_budget, cgroup_headrooms, parse_size,
-                                  resolve_budget, vm_stat_available)
+from mlx_moestream import budget, loader
+from mlx_moestream.budget import (BudgetError, auto_budget, available_memory_bytes,
+                                  cgroup_headrooms, parse_size, resolve_budget, vm_stat_available)
 
 GiB = 2**30
 
@@ -85,7 +87,7 @@ def test_a_cgroup_without_a_memory_limit_leaves_the_free_memory(tmp_path):
 def test_auto_below_the_minimum_says_where_the_memory_went(tiny_model, monkeypatch):
     """Not "budget 0 B is below the minimum", which names a budget nobody gave."""
     monkeypatch.setattr(loader, "memory_bytes", lambda: 2 * GiB)  # a machine with 2 GiB free
-    with pytest.raises(BudgetError, match=r"budget auto: 2.0 GiB of free memory, less .* of "
+    with pytest.raises(BudgetError, match=r"budget auto: 2.0 GiB of usable memory, less .* of "
                        r"dense weights and a reserve of 2.0 GiB .* leaves .*, below the minimum"):
         mlx_moestream.load(tiny_model(), budget="auto")
 
@@ -101,8 +103,20 @@ Pages purgeable:                           9000.
 """
 
 
-def test_free_memory_on_macos_is_what_vm_stat_counts_free_or_inactive():
-    """Other apps' memory is not ours to take (parsed from vm_stat's output format; this
-    machine is not a Mac)."""
-    assert vm_stat_available(VM_STAT) == (12345 + 200000) * 16384
+def test_free_memory_on_macos_is_what_vm_stat_counts_reclaimable(monkeypatch):
+    """Other apps' memory is not ours to take. This machine is not a Mac: the platform and
+    vm_stat's output (its format) are stood in for."""
+    monkeypatch.setattr(budget.sys, "platform", "darwin")
+    monkeypatch.setattr(budget.subprocess, "run",
+                        lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, VM_STAT, ""))
+    assert available_memory_bytes() == (12345 + 3000 + 200000) * 16384
+
+
+def test_free_memory_on_macos_without_vm_stat_falls_back_to_physical_memory(monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("vm_stat")
+
+    monkeypatch.setattr(budget.sys, "platform", "darwin")
+    monkeypatch.setattr(budget.subprocess, "run", missing)
+    assert available_memory_bytes() > 0
     assert vm_stat_available("vm_stat: command not found") is None

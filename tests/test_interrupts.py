@@ -268,7 +268,10 @@ def test_statistics_right_after_an_interrupt_count_the_reads_it_left_running(tin
     monkeypatch.setattr(runtime, "read", read)
     with pytest.raises(KeyboardInterrupt):
         mx.eval(model(mx.array([list(range(3, 40))])))
-    time.sleep(0.5)  # every read has landed
+    assert runtime.unfinished  # the reads the interrupt left running
+    for _, group in runtime.unfinished:
+        for _, read in group:
+            read.exception()  # wait for it to land
     stats = mlx_moestream.stats(model)
     resident = sum(cache.resident for cache in runtime.caches)
     assert fired and stats["loads"] - stats["evictions"] == resident > 0

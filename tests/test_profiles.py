@@ -108,12 +108,14 @@ def test_prewarm_share_limits_the_warm_set(tiny_model, tmp_path):
 
 
 def test_pins_are_read_even_beyond_the_prewarm_share(tiny_model, tmp_path):
-    """Pinning the hottest half of the budget reads them, whatever share is pre-warmed."""
+    """Pinning the hottest experts reads them, whatever share is pre-warmed, and no more: of
+    8 slots, 6 may be pinned (2 stay for a call's top-2)."""
     path = tiny_model("qwen3_moe")
     profile_path = _saved_profile(path, tmp_path, "50%")
     model, _ = mlx_moestream.load(path, budget="50%", profile=profile_path, prewarm_share=0,
-                                  pin_share=0.5)
-    assert mlx_moestream.stats(model)["prewarm"]["pinned"] == 4
+                                  pin_share=1)
+    prewarm = mlx_moestream.stats(model)["prewarm"]
+    assert prewarm["pinned"] == prewarm["experts"] == 6
 
 
 def test_profile_of_another_model_is_refused_naming_both(tiny_model, tmp_path):
@@ -149,7 +151,7 @@ def _profile_json(counts, decayed, model=None, half_life_tokens=256) -> str:
     (_profile_json([1, 1], [1, 1], half_life_tokens=0), "half_life_tokens >= 1"),
     # merged with a profile of its model, such counts were broadcast over every expert
     (_profile_json([1], [1], {"fingerprint": "f", "moe_layers": 1, "experts": 2}),
-     "counts for 1 layers x 1 experts, but its model record says 1 x 2"),
+     "counts for 1 layers x 1 experts, but its own model record has 1 x 2"),
 ])
 def test_malformed_profile_is_a_clear_error(tmp_path, content, problem):
     (tmp_path / "bad.json").write_text(content)
