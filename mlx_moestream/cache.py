@@ -246,11 +246,10 @@ class ExpertCache:
                      ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Seed the policies with `profile`'s counts (each layer's hottest expert counting
         `SEED_USES`) and choose what to pre-warm: the hottest experts that fit in `share` of
-        the slots (or `pin_share`, if more), in file order (layer, expert), and the hottest of
-        those to pin in `pin_share` (leaving each partition room for one call's `call_experts`
-        unpinned). The caller
-        `admit`s the first and loads them, then `pin`s the second: the runtime and replay
-        pre-warm alike."""
+        the slots and the hottest to pin in `pin_share` (leaving each partition room for one
+        call's `call_experts` unpinned), both in the first list, in file order (layer, expert).
+        The caller `admit`s the first and loads them, then `pin`s the second: the runtime and
+        replay pre-warm alike."""
         check_shares(share, pin_share)
         layers = self.policy_of
 
@@ -260,10 +259,10 @@ class ExpertCache:
             taken = self.resident_in(layer) if self.per_layer else 0
             return max(0, self.capacity(layer) - taken)
 
-        wanted = max(0, int(self.num_slots * max(share, pin_share)) - self.resident)  # pins too
+        soft = max(0, int(self.num_slots * share) - self.resident)
+        wanted = max(soft, int(self.num_slots * pin_share) - self.resident)  # the pins' too
         hot = [(l, e) for l, e in profile.hottest(wanted, [room(l) for l in range(len(self.slot_of))])
                if self.slot_of[l, e] < 0]
-        soft = hot[: max(0, int(self.num_slots * share) - self.resident)]
         # pins of an earlier pre-warm count: toward the share and the room left for a call
         pins, pinned = [], self.pinned_count.copy()
         for layer, expert in hot[: max(0, int(self.num_slots * pin_share) - self.pinned_total)]:
@@ -274,7 +273,7 @@ class ExpertCache:
         seed = profile.seed_counts(SEED_USES)
         self.seed({int(self.key_of[l, e]): float(seed[l, e])
                    for l in layers for e in np.flatnonzero(seed[l])})
-        return sorted(set(soft) | set(pins)), pins
+        return sorted({*hot[:soft], *pins}), pins
 
     def pin(self, layer: int, expert: int) -> None:
         """Keep a resident expert for good: it leaves its policy, so it is never a victim."""

@@ -88,22 +88,23 @@ class Profile:
             layers = data["layers"]
             counts = np.array([l["counts"] for l in layers], dtype=np.float64)  # checked below
             decayed = np.array([l["decayed"] for l in layers], dtype=np.float64)
-            profile = cls(str(data["workload"]), dict(data["model"]), counts, decayed,
-                          int(data["tokens"]), int(data["half_life_tokens"]),
-                          [str(l["name"]) for l in layers], str(data["created"]))
+            workload, model = str(data["workload"]), dict(data["model"])
+            tokens, half_life = int(data["tokens"]), int(data["half_life_tokens"])
+            names, created = [str(l["name"]) for l in layers], str(data["created"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProfileError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
         if (counts.ndim != 2 or counts.shape != decayed.shape
                 or not ((counts >= 0) & (counts < 2**53) & (counts == counts.round())).all()):
             raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts] "
                                f"whole numbers >= 0)")
-        profile.counts, profile.path = counts.astype(np.int64), path
         if not np.isfinite(decayed).all() or (decayed < 0).any():
             raise ProfileError(f"{path}: malformed profile (decayed counts must be finite, >= 0)")
-        if profile.tokens < 0 or profile.half_life_tokens < 1:
+        if tokens < 0 or half_life < 1:
             raise ProfileError(f"{path}: malformed profile (tokens must be >= 0 and "
                                f"half_life_tokens >= 1)")
-        profile.check_shape(profile.model, "malformed profile", "its own model record")
+        profile = cls(workload, model, counts.astype(np.int64), decayed, tokens, half_life, names,
+                      created, path)
+        profile.check_shape(model, "malformed profile", "its own model record")
         return profile
 
     def check_model(self, model: dict, source: str = "profile", target: str = "this model"

@@ -493,11 +493,10 @@ class Runtime:
 
     def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
                 progress=None) -> dict:
-        """Read a profile's hottest experts into free slots (up to `share` of each pool, and the
-        `pin_share` pinned), in
+        """Read a profile's hottest experts into free slots (up to `share` of each pool), in
         file order, and seed the policies with its decayed counts: these pins are soft, the
-        seeded counts decay like live ones. The hottest `pin_share` of each pool is pinned for
-        good (leaving every layer room for one call's experts: `call_experts`).
+        seeded counts decay like live ones. The hottest `pin_share` of each pool is read too
+        and pinned for good (leaving every layer room for one call's experts: `call_experts`).
         `progress(items, label)` is a context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
         if self.closed:
@@ -560,10 +559,13 @@ class Runtime:
 
     def stats_dict(self) -> dict:
         with self.lock:  # as a layer call would: the reads a call cut short left running first,
-            try:  # so that every resident expert has its load counted
+            stalled = self.stats.stall_seconds.copy()  # so that every resident expert has its
+            try:  # load counted
                 self._finish_reads(0)
             except StoreError:  # counted in read_errors, the expert forgotten: the next call
                 pass  # that needs it reads it again and reports the error
+            finally:  # waiting here is not the forward pass stalling
+                self.stats.stall_seconds[:] = stalled
             self.count_deferred()
             out = self.stats.as_dict()
         out.update(

@@ -105,7 +105,8 @@ def switch(tokens: int, budget: str) -> list[dict]:
 
 def markdown(rows: list[dict], switches: list[dict], budget: str) -> str:
     lines = [
-        f"Budget {budget} of expert bytes, policy {DEFAULT_POLICY} (the default); prompts are the last third of each held-out text, "
+        f"Budget {budget} of expert bytes, policy {DEFAULT_POLICY} (the default); prompts are "
+        "the last third of each held-out text, "
         "decoded one token at a time; profiles are recorded from the first two thirds "
         "(`python scripts/record_profiles.py --markdown docs/embedded-model.md`). Recovery: "
         f"tokens until the trailing-{WINDOW}-token hit rate reaches the no-profile steady state "
