@@ -72,19 +72,27 @@ class Stats:
 
     def tick(self, tokens: int) -> None:
         """Called before `tokens` new tokens are processed: close a finished window, decay, count."""
-        start, hits0, misses0 = self._window_mark
-        if self.tokens - start >= self.window_tokens:
-            hits, misses = int(self.hits.sum()), int(self.misses.sum())
-            window = _window(start, self.tokens, hits - hits0, misses - misses0)
-            used = self.activations > self._window_activations
-            window["unique_experts"] = used.sum(axis=1).tolist()
+        window = self._full_window()
+        if window is not None:
             self.windows.append(window)
-            self._window_mark = (self.tokens, hits, misses)
+            self._window_mark = (self.tokens, int(self.hits.sum()), int(self.misses.sum()))
             self._window_activations = self.activations.copy()
         halvings = (self.tokens + tokens) // self.half_life_tokens - self.tokens // self.half_life_tokens
         if halvings:
             self.decayed *= 0.5**halvings
         self.tokens += tokens
+
+    def _full_window(self) -> dict | None:
+        """The open window once it holds `window_tokens` tokens: `tick` closes it before the
+        next token, and statistics read before then show it too."""
+        start, hits0, misses0 = self._window_mark
+        if self.tokens - start < self.window_tokens:
+            return None
+        window = _window(start, self.tokens, int(self.hits.sum()) - hits0,
+                         int(self.misses.sum()) - misses0)
+        used = self.activations > self._window_activations
+        window["unique_experts"] = used.sum(axis=1).tolist()
+        return window
 
     def layer(self, i: int) -> dict:
         return {
@@ -106,6 +114,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         hits, misses = int(self.hits.sum()), int(self.misses.sum())
+        full = self._full_window()
         return {
             "tokens": self.tokens,
             "hits": hits,
@@ -124,7 +133,7 @@ class Stats:
             "prediction_precision": ratio(self.predicted_routed.sum(), self.predicted.sum()),
             "prediction_recall": ratio(self.predicted_routed.sum(), self.routed_scored.sum()),
             "read_errors": self.read_errors,
-            "hit_rate_windows": list(self.windows),
+            "hit_rate_windows": self.windows + ([full] if full else []),
             "layers": [self.layer(i) for i in range(len(self.layer_names))],
         }
 

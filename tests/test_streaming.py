@@ -86,7 +86,7 @@ def test_stats_report_totals_and_layers(tiny_model):
     assert stats["hits"] == sum(layer["hits"] for layer in stats["layers"])
     assert len(stats["layers"]) == 2
     assert all(0 < layer["unique_experts"] <= 8 for layer in stats["layers"])
-    assert [w["end_token"] for w in stats["hit_rate_windows"]] == [64, 80]
+    assert [w["end_token"] for w in stats["hit_rate_windows"]] == [64, 80, 96]
     assert stats["bytes_read"] == stats["loads"] * 24576
 
 
