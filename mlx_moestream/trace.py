@@ -278,6 +278,8 @@ def _problem(experts, num_experts, weights=None, segment_id=None) -> str | None:
         return f"expert ids must be >= -1 (-1 = none), found {low}"
     if high >= num_experts:
         return f"expert ids must be < num_experts = {num_experts}, found {high}"
+    if high < 0:
+        return "no expert ids: every entry is -1 (none), nothing was routed"
     if weights is not None:
         if not isinstance(weights, np.ndarray) or weights.dtype != np.float16:
             return f"weights must be a float16 array, got {_kind(weights)}"

@@ -242,6 +242,7 @@ def test_a_trace_with_metadata_of_pickled_objects_loads_without_them(tmp_path):
         ({"experts": np.zeros((0, 2, 2), np.int16)}, "experts is empty"),
         ({"experts": np.full((2, 2, 2), 4, np.int16)}, "must be < num_experts = 4, found 4"),
         ({"experts": np.full((2, 2, 2), -2, np.int16)}, "must be >= -1 .*found -2"),
+        ({"experts": np.full((2, 2, 2), -1, np.int16)}, "no expert ids: every entry is -1"),
         ({"num_experts": np.array([4])}, "num_experts must be an integer scalar"),
         ({"num_experts": np.float64(4)}, "num_experts must be an integer scalar"),
         ({"num_experts": np.int64(0)}, "num_experts must be in \\[1, 32768\\]"),
