@@ -189,7 +189,11 @@ def search_dirs() -> list[Path]:
 
 
 def _is_path(name: str) -> bool:
-    return name.endswith(".json") or os.sep in name or "/" in name
+    return _json_file(name) or os.sep in name or "/" in name
+
+
+def _json_file(name: str) -> bool:
+    return name.lower().endswith(".json")  # `P.JSON` too: saving it as `P.JSON.json` surprises
 
 
 def find(name: str) -> Path:
@@ -212,7 +216,7 @@ def save_target(name: str | Path) -> Path:
     the path this returns passes this check again); a path (a `Path`, or a string ending in
     `.json`) must be in an existing folder. An existing file is replaced only if it is a
     profile."""
-    if isinstance(name, Path) or name.endswith(".json"):
+    if isinstance(name, Path) or _json_file(name):
         path = Path(name).expanduser()
         if not path.parent.is_dir():
             raise ProfileError(f"cannot save profile {path}: no folder {path.parent}")

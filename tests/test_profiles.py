@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -41,6 +42,15 @@ def test_profile_counts_every_routed_token(tiny_model, tmp_path):
     assert (saved.counts.sum(axis=1) == 2 * saved.tokens).all()
     assert saved.model["model_type"] == "qwen3_moe"
     assert json.loads((tmp_path / "p.json").read_text())["schema"] == "mlx-moestream-profile"
+
+
+def test_a_profile_named_with_an_upper_case_json_suffix_is_that_file(tiny_model, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, _ = _session(tiny_model("qwen3_moe"), budget="50%")
+    saved = mlx_moestream.save_profile(model, "UP.JSON")
+    assert saved == Path("UP.JSON") and os.listdir(tmp_path) == ["UP.JSON"]
+    assert find("UP.JSON") == saved
 
 
 def test_profile_save_is_atomic(tiny_model, tmp_path, monkeypatch):
