@@ -166,14 +166,16 @@ def path_key(path: str) -> list:
 
 
 def top_k_of(config: dict) -> int:
-    """Experts per token, from whichever key the model's config.json uses."""
+    """Experts per token, from whichever key the model's config.json uses; the most of any
+    layer where it is listed per layer (Hunyuan)."""
     model_type = config.get("model_type", "?")
     for source in (config, config.get("text_config", {})):
         for key in TOP_K_KEYS:
             value = source.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if value < 1:
+            values = value if isinstance(value, list) and value else [value]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                if min(values) < 1:
                     raise ValueError(f"model_type '{model_type}': config.json has {key} = "
                                      f"{value}: a token must use at least one expert")
-                return value
+                return max(values)
     raise ValueError(f"model_type '{model_type}': config.json names no experts-per-token (top-k)")

@@ -192,6 +192,16 @@ ERNIE_MOE = {"model_type": "ernie4_5_moe", "hidden_size": 64, "intermediate_size
              "moe_num_experts": 16, "moe_k": 4, "moe_layer_start_index": 1,
              "moe_intermediate_size": 32, "moe_num_shared_experts": 1, "head_dim": 16}
 
+# Hunyuan-A13B lists its experts per token (and expert widths, shared experts) per layer.
+HUNYUAN_MOE = {"model_type": "hunyuan", "vocab_size": 512, "hidden_size": 64,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 2048, "tie_word_embeddings": False,
+               "num_hidden_layers": 2, "intermediate_size": 128, "attention_bias": False,
+               "num_experts": 8, "moe_topk": [2, 3], "moe_intermediate_size": [32, 48],
+               "num_shared_expert": [1, 1], "use_mixed_mlp_moe": True, "use_qk_norm": True,
+               "use_cla": False, "cla_share_factor": 1, "rope_theta": 10000.0,
+               "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}}
+
 
 def test_prefetch_leaves_out_experts_whose_input_the_routers_do_not_take(tmp_path, reference):
     """A latent MoE's next router cannot predict from its experts' input: no prediction, the
@@ -205,6 +215,13 @@ def test_a_config_naming_top_k_its_own_way_streams_exactly(tmp_path, reference):
     path = _save_model(tmp_path / "ernie", ERNIE_MOE)
     model, _ = mlx_moestream.load(path, budget="30%")
     assert model.moestream.plan.top_k == 4
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+
+
+def test_a_config_listing_top_k_per_layer_streams_exactly(tmp_path, reference):
+    path = _save_model(tmp_path / "hunyuan", HUNYUAN_MOE)
+    model, _ = mlx_moestream.load(path, budget="40%")
+    assert model.moestream.plan.top_k == 3  # the most of any layer: the minimum budget holds it
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
 
 
