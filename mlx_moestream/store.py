@@ -34,8 +34,8 @@ PER_EXPERT_NAMES = {
     "gate_proj": ("gate_proj", "w1"),
     "up_proj": ("up_proj", "w3"),
     "down_proj": ("down_proj", "w2"),
-    "fc1": ("fc1",),
-    "fc2": ("fc2",),
+    "fc1": ("fc1", "up_proj"),  # Nemotron-H
+    "fc2": ("fc2", "down_proj"),
 }
 
 
@@ -288,6 +288,7 @@ class ExpertStore:
         self._direct: int | None = None  # experts.bin opened with O_DIRECT, when it can be
         self._closer: weakref.finalize | None = None  # closes what `open` opened
         self._bounce = threading.local()  # each reader thread's page-aligned buffer
+        self._expert_parents: dict[tuple[str, str], list[str]] | None = None  # see `_parent`
         self.layers: list[list[ExpertTensor]] = []
         self.blocks: list[tuple[int, int] | None] = []  # (offset, stride) of repacked layers
         # per repacked layer, each expert block's crc32, and whether this session checked it
@@ -352,8 +353,9 @@ class ExpertStore:
         proj, _, param = name.partition(".")  # a fused name (`gate_up_proj`) has no param
         # stacked as mlx-community names them, or fused as transformers 5 saves them
         stacked_keys = (f"{prefix}.{name}", f"{parent}.experts.{name}")
-        first_expert = [f"{parent}.experts.0.{alias}.{param}"
-                        for alias in PER_EXPERT_NAMES.get(proj, (proj,)) if param]
+        aliases = PER_EXPERT_NAMES.get(proj, (proj,))
+        owners = {alias: self._parent(parent, f"{alias}.{param}") for alias in aliases}
+        first_expert = [f"{owners[alias]}.experts.0.{alias}.{param}" for alias in aliases if param]
         forms = [k for k in dict.fromkeys((*stacked_keys, *first_expert)) if k in self.tensors]
         if len(forms) > 1:  # a leftover of another conversion: which one is the model's?
             raise StoreError(
@@ -376,14 +378,30 @@ class ExpertStore:
                 )
             offsets = stacked.offset + nbytes * np.arange(num_experts, dtype=np.int64)
             return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes, True)
-        for alias in PER_EXPERT_NAMES.get(proj, (proj,)):
-            keys = [f"{parent}.experts.{e}.{alias}.{param}" for e in range(num_experts)]
+        for alias in aliases:
+            keys = [f"{owners[alias]}.experts.{e}.{alias}.{param}" for e in range(num_experts)]
             if keys[0] in self.tensors:
                 return self._per_expert(keys, name, shape, nbytes)
         raise StoreError(
             f"{self.model_dir}: expert tensor '{prefix}.{name}' (or its per-expert form "
             f"'{parent}.experts.0.{proj}.{param}') is in no shard"
         )
+
+    def _parent(self, parent: str, tail: str) -> str:
+        """The module whose per-expert tensors `experts.E.{tail}` a module under `parent` reads:
+        `parent`, or else the one other module of its layer that has them (Kimi-Linear's
+        checkpoints keep them in `block_sparse_moe`, which mlx-lm moves to `mlp`)."""
+        if f"{parent}.experts.0.{tail}" in self.tensors:
+            return parent
+        if self._expert_parents is None:  # per (layer, tail): the modules with such tensors
+            self._expert_parents = {}
+            for key in self.tensors:
+                owner, found, rest = key.partition(".experts.0.")
+                if found:
+                    layer = owner.rsplit(".", 1)[0]
+                    self._expert_parents.setdefault((layer, rest), []).append(owner)
+        owners = self._expert_parents.get((parent.rsplit(".", 1)[0], tail), [])
+        return owners[0] if len(owners) == 1 else parent
 
     def _per_expert(self, keys, name, shape, nbytes) -> ExpertTensor:
         infos = []

@@ -225,6 +225,47 @@ def test_a_config_listing_top_k_per_layer_streams_exactly(tmp_path, reference):
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
 
 
+# Kimi-Linear: its checkpoints keep the experts in `block_sparse_moe`, mlx-lm in `mlp`.
+KIMI_LINEAR = {"model_type": "kimi_linear", "vocab_size": 512, "hidden_size": 64,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 2048, "tie_word_embeddings": False,
+               "num_hidden_layers": 4, "intermediate_size": 128, "head_dim": 16,
+               "rope_theta": 10000.0, "model_max_length": 2048, "num_experts": 8,
+               "moe_intermediate_size": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+               "qk_rope_head_dim": 8, "v_head_dim": 16, "num_experts_per_token": 2,
+               "num_shared_experts": 1, "first_k_dense_replace": 1, "num_expert_group": 2,
+               "topk_group": 1,
+               "linear_attn_config": {"kda_layers": [1, 3], "full_attn_layers": [2, 4],
+                                      "head_dim": 16, "num_heads": 4,
+                                      "short_conv_kernel_size": 4}}
+
+
+@pytest.mark.parametrize("config, renamed", [
+    (LATENT_MOE, {"fc1": "up_proj", "fc2": "down_proj"}),  # Nemotron-H's names
+    (KIMI_LINEAR, {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3",
+                   "mlp": "block_sparse_moe"}),
+])
+def test_per_expert_checkpoints_that_mlx_lm_renames_stream_exactly(tmp_path, reference, config,
+                                                                   renamed):
+    """Original checkpoints: one tensor per expert, named as mlx-lm's sanitize() expects."""
+    path = _save_model(tmp_path / "model", config)
+    stacked = mx.load(str(path / "model.safetensors"))
+    weights = {}
+    for key, value in stacked.items():
+        parent, found, tail = key.partition(".switch_mlp.")
+        if not found:
+            weights[key] = value
+            continue
+        layer, module = parent.rsplit(".", 1)
+        proj, param = tail.split(".")
+        for e in range(value.shape[0]):
+            weights[f"{layer}.{renamed.get(module, module)}.experts.{e}."
+                    f"{renamed[proj]}.{param}"] = value[e]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    model, _ = mlx_moestream.load(path, budget="40%")
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+
+
 def test_a_streamed_layer_syncs_once_per_call_for_its_ids(tiny_model):
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="50%")
