@@ -37,6 +37,28 @@ TINY_CONFIGS = {
                                              head_dim=8)),  # rope runs on qk_rope_head_dim
 }
 TORCH_ARCHITECTURES = list(TINY_CONFIGS)
+# Checkpoints built for the tests of one behaviour each, not run through every test.
+MORE_CONFIGS = {
+    # experts that compute every expert for every token (no routed ids to stream by)
+    "llama4_text": ("Llama4TextConfig", dict(intermediate_size=128, intermediate_size_mlp=96,
+                                             num_local_experts=8, num_experts_per_tok=1,
+                                             interleave_moe_layer_step=1)),
+    # 8 experts plus 2 identity ("zero") experts the router may pick
+    "longcat_flash": ("LongcatFlashConfig", dict(ffn_hidden_size=96, expert_ffn_hidden_size=128,
+                                                 n_routed_experts=8, moe_topk=2,
+                                                 zero_expert_num=2, num_layers=2, q_lora_rank=32,
+                                                 kv_lora_rank=16, qk_rope_head_dim=8,
+                                                 qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+                                                 num_key_value_heads=4)),
+    # a renaming (`post_mlp_layernorm` -> `mlp.post_mlp_layernorm`) that matches its own output
+    "axk1": ("AXK1Config", dict(intermediate_size=96, moe_intermediate_size=128,
+                                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                n_group=1, topk_group=1,
+                                mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                                num_hidden_layers=4, q_lora_rank=32, kv_lora_rank=16,
+                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                head_dim=8, num_key_value_heads=4)),
+}
 
 
 def make_tiny_hf_moe(path, arch: str = "qwen3_moe", *, fused: bool = False,
@@ -47,7 +69,7 @@ def make_tiny_hf_moe(path, arch: str = "qwen3_moe", *, fused: bool = False,
 
     from .testing import make_tokenizer
 
-    class_name, fields = TINY_CONFIGS[arch]
+    class_name, fields = {**TINY_CONFIGS, **MORE_CONFIGS}[arch]
     config = getattr(transformers, class_name)(**{**COMMON, **fields})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

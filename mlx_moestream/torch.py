@@ -14,6 +14,7 @@ must hold one layer's experts.
 
 from __future__ import annotations
 
+import inspect
 import mmap
 import re
 from pathlib import Path
@@ -268,6 +269,8 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
             with safe_open(str(store.files[file]), framework="pt") as f:
                 for key in keys:
                     name = _module_name(key, renamings)
+                    if name not in params and name not in buffers:  # as transformers: a key
+                        name = key  # the model has is not renamed (no `mlp.mlp.` of `mlp.`)
                     if name in expert_params or (name not in params and name not in buffers):
                         continue
                     target = params.get(name, buffers.get(name))
@@ -305,6 +308,15 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
         if module is None or not hasattr(module, "down_proj"):
             raise ModelError(f"{path}: {e.module} is not a fused experts module of "
                              f"{type(modules.get(e.module.rsplit('.', 1)[0])).__name__}")
+        kind = type(module).__name__
+        if len(inspect.signature(module.forward).parameters) < 2:  # (hidden states, ids, ...)
+            raise ModelError(f"{path}: {e.module} ({kind}) computes every expert for every "
+                             "token, not the routed ones: nothing can stream")
+        num, rows = getattr(module, "num_experts", None), {
+            p.shape[0] for _, p in _expert_params(module)}
+        if not isinstance(num, int) or rows != {num}:  # LongCat's identity experts
+            raise ModelError(f"{path}: {e.module} ({kind}) holds {sorted(rows)} rows of "
+                             f"experts where num_experts is {num}: not supported")
         specs = {}
         for name in e.names:
             fused = store.tensors.get(f"{e.parent}.experts.{name}")

@@ -408,6 +408,27 @@ def test_a_checkpoint_whose_tensors_transformers_transposes_at_load_is_refused(h
         register_checkpoint_conversion_mapping("qwen3_moe", own, overwrite=True)
 
 
+@pytest.mark.parametrize("arch, message", [
+    ("llama4_text", "model.layers.0.feed_forward.experts (Llama4TextExperts) computes every "
+                    "expert for every token, not the routed ones: nothing can stream"),
+    ("longcat_flash", "model.layers.0.mlp.experts (LongcatFlashExperts) holds [8, 10] rows of "
+                      "experts where num_experts is None: not supported"),
+])
+def test_experts_modules_that_cannot_stream_are_refused_at_load(hf_model, arch, message):
+    """They loaded (Llama 4) and failed with a traceback at the first call, or failed with one
+    at load (LongCat-Flash)."""
+    with pytest.raises(ModelError, match=re.escape(message)):
+        moestream_torch.load(hf_model(arch), budget="100%")
+
+
+def test_a_checkpoint_name_the_model_has_is_not_renamed(hf_model, hf_reference):
+    """As transformers: AXK1's renaming `post_mlp_layernorm` -> `mlp.post_mlp_layernorm` does
+    not turn a checkpoint's `mlp.post_mlp_layernorm` into `mlp.mlp.post_mlp_layernorm`."""
+    path = hf_model("axk1", fused=True)
+    model, _ = moestream_torch.load(path, budget=moestream_torch.min_budget_bytes(path))
+    assert_equal_runs(run(model), hf_reference(path, torch.float32))
+
+
 def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_path):
     """`from_pretrained` computes in config.json's dtype, converting the weights; the experts
     stream as stored, so the output would differ from its with no error."""
