@@ -179,18 +179,20 @@ MERGES = {"MergeModulelist", "Concatenate"}
 
 
 def _refuse_conversions(path: Path, config, store: ExpertStore) -> None:
-    """Refuse a checkpoint with a tensor transformers converts at load beyond `MERGES` (a
-    transpose, an interleave...): the dense weights are copied and the experts read as stored,
-    so it would compute wrongly, with no error where its matrix is square."""
+    """Refuse a checkpoint with a tensor transformers converts at load other than the
+    `MERGES` of expert tensors done here (a transpose, an interleave, a dense concatenation):
+    the dense weights are copied and the experts read as stored, so it would compute wrongly,
+    with no error where its matrix is square."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
     for t in get_checkpoint_conversion_mapping(config.model_type) or []:
-        ops = [type(op).__name__ for op in getattr(t, "operations", [])]
-        if not isinstance(t, WeightConverter) or not set(ops) - MERGES:
+        if not isinstance(t, WeightConverter):
             continue
-        for key in store.tensors:
-            if t.compiled_sources.search(key):
+        ops = [type(op).__name__ for op in t.operations]
+        merges = not set(ops) - MERGES  # done here for expert tensors only (Kimi-Linear
+        for key in store.tensors:  # concatenates its q/k/v convolutions)
+            if t.compiled_sources.search(key) and not (merges and EXPERT_KEY.match(key)):
                 raise ModelError(f"{path}: transformers converts '{key}' at load "
                                  f"({', '.join(ops)}), which the torch backend does not: "
                                  f"{config.model_type} checkpoints are not supported")

@@ -429,6 +429,15 @@ def test_a_checkpoint_name_the_model_has_is_not_renamed(hf_model, hf_reference):
     assert_equal_runs(run(model), hf_reference(path, torch.float32))
 
 
+def test_a_dense_tensor_transformers_concatenates_at_load_is_refused_by_name(hf_model):
+    """Concatenations are done here for expert tensors only; Kimi-Linear's q/k/v convolutions
+    were left out, and the load failed on a missing `conv1d` the checkpoint has in parts."""
+    with pytest.raises(ModelError, match=re.escape(
+            "transformers converts 'model.layers.0.self_attn.k_conv1d.weight' at load "
+            "(Concatenate), which the torch backend does not")):
+        moestream_torch.load(hf_model("kimi_linear"), budget="100%")
+
+
 def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_path):
     """`from_pretrained` computes in config.json's dtype, converting the weights; the experts
     stream as stored, so the output would differ from its with no error."""
