@@ -234,8 +234,11 @@ def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
         entry["names"].append(match["name"])
         entry["dtypes"].add(info.dtype)
     if not found:
-        raise ModelError(f"{path}: no expert tensors ('...experts.gate_up_proj' or "
-                         f"'...experts.0.gate_proj.weight'): not a Mixture-of-Experts checkpoint")
+        raise ModelError(f"{path}: no expert tensors named as transformers' fused experts "
+                         f"modules take them ('...experts.gate_up_proj' or "
+                         f"'...experts.0.gate_proj.weight'): not a Mixture-of-Experts "
+                         f"checkpoint, or one whose experts it renames at load (Granite's "
+                         f"input_linear), which the torch backend does not")
     out = []
     for module, entry in sorted(found.items(), key=lambda item: path_key(item[0])):
         dtypes = sorted(entry["dtypes"])

@@ -438,6 +438,13 @@ def test_a_dense_tensor_transformers_concatenates_at_load_is_refused_by_name(hf_
         moestream_torch.load(hf_model("kimi_linear"), budget="100%")
 
 
+def test_a_checkpoint_whose_expert_names_transformers_changes_at_load_is_refused_so(hf_model):
+    """Granite's `input_linear` becomes `experts.gate_up_proj` at load: the refusal said the
+    checkpoint was no Mixture-of-Experts one."""
+    with pytest.raises(ModelError, match="or one whose experts it renames at load"):
+        moestream_torch.load(hf_model("granitemoe"), budget="100%")
+
+
 def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_path):
     """`from_pretrained` computes in config.json's dtype, converting the weights; the experts
     stream as stored, so the output would differ from its with no error."""
