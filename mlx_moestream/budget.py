@@ -144,8 +144,7 @@ def resolve_budget(
                 f"budget auto: {format_bytes(memory_bytes)} of usable memory, less "
                 f"{format_bytes(dense_bytes)} of dense weights and a reserve of "
                 f"{format_bytes(auto_reserve(memory_bytes))} for the KV cache and activations, "
-                f"leaves "
-                f"{format_bytes(budget)}, below the minimum {format_bytes(min_bytes)}: free "
+                f"leaves {format_bytes(budget)}, below the minimum {format_bytes(min_bytes)}: free "
                 f"memory, or give a budget of at least the minimum (it may swap)")
     elif isinstance(spec, str) and spec.strip().endswith("%"):
         m = re.fullmatch(NUMBER + "%", spec.strip())

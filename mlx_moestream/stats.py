@@ -75,7 +75,8 @@ class Stats:
         window = self._full_window()
         if window is not None:
             self.windows.append(window)
-            self._window_mark = (self.tokens, int(self.hits.sum()), int(self.misses.sum()))
+            _, hits0, misses0 = self._window_mark
+            self._window_mark = (self.tokens, hits0 + window["hits"], misses0 + window["misses"])
             self._window_activations = self.activations.copy()
         halvings = (self.tokens + tokens) // self.half_life_tokens - self.tokens // self.half_life_tokens
         if halvings:

@@ -262,6 +262,7 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
     planned = _dtype_plan(lm, experts[0].dtype)
     params = dict(lm.named_parameters(remove_duplicate=False))  # a tied one under each name
     buffers = dict(lm.named_buffers())
+    known = params.keys() | buffers.keys()
     expert_params = {n for n in params if any(n.startswith(e.module + ".") for e in experts)}
     by_file: dict[int, list[str]] = {}
     for key, info in store.tensors.items():
@@ -274,9 +275,9 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
             with safe_open(str(store.files[file]), framework="pt") as f:
                 for key in keys:
                     name = _module_name(key, renamings)
-                    if name not in params and name not in buffers:  # as transformers: a key
-                        name = key  # the model has is not renamed (no `mlp.mlp.` of `mlp.`)
-                    if name in expert_params or (name not in params and name not in buffers):
+                    if name not in known:  # as transformers: a key the model has is not
+                        name = key  # renamed (no `mlp.mlp.` of `mlp.`)
+                    if name in expert_params or name not in known:
                         continue
                     target = params.get(name, buffers.get(name))
                     tensor = _copy(f.get_tensor(key)).to(planned(name) or target.dtype)
@@ -317,8 +318,8 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
         if len(inspect.signature(module.forward).parameters) < 2:  # (hidden states, ids, ...)
             raise ModelError(f"{path}: {e.module} ({kind}) computes every expert for every "
                              "token, not the routed ones: nothing can stream")
-        num, rows = getattr(module, "num_experts", None), {
-            p.shape[0] for _, p in _expert_params(module)}
+        num = getattr(module, "num_experts", None)
+        rows = {p.shape[0] for _, p in _expert_params(module)}
         if not isinstance(num, int) or rows != {num}:  # LongCat's identity experts
             raise ModelError(f"{path}: {e.module} ({kind}) holds {sorted(rows)} rows of "
                              f"experts where num_experts is {num}: not supported")
@@ -333,7 +334,7 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
             specs[_canonical(name)] = (tuple(spec[0]), *spec[1:])
         resident = sum(_pages_touched(p.nbytes // p.shape[0], _row_offset(store, e, name))
                        for name, p in _expert_params(module))
-        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", module.num_experts, specs,
+        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", num, specs,
                                   held_bytes=resident))
     raw = read_config(path)
     return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
