@@ -37,6 +37,18 @@ PER_EXPERT_NAMES = {
     "fc1": ("fc1", "up_proj"),  # Nemotron-H
     "fc2": ("fc2", "down_proj"),
 }
+# Stacked [E, ...] tensors checkpoints keep under another name, by the name the module reads:
+# (name under the experts' block, part, parts), the tensor holding each expert's rows as
+# `parts` equal parts of which this is `part`. Granite keeps gate and up as the halves of one
+# `input_linear` (mlx-lm splits it, transformers renames it); Aria's text model has
+# transformers' fused tensors as `experts.fc1` / `experts.fc2`.
+STACKED_ALIASES = {
+    "gate_proj.weight": (("input_linear.weight", 0, 2),),
+    "up_proj.weight": (("input_linear.weight", 1, 2),),
+    "down_proj.weight": (("output_linear.weight", 0, 1),),
+    "gate_up_proj": (("input_linear.weight", 0, 1), ("experts.fc1.weight", 0, 1)),
+    "down_proj": (("output_linear.weight", 0, 1), ("experts.fc2.weight", 0, 1)),
+}
 
 
 REPACK_DIR = "moestream-experts"
@@ -351,8 +363,10 @@ class ExpertStore:
     def _locate(self, prefix, name, shape, nbytes, num_experts) -> ExpertTensor:
         parent = prefix.rsplit(".", 1)[0]
         proj, _, param = name.partition(".")  # a fused name (`gate_up_proj`) has no param
-        # stacked as mlx-community names them, or fused as transformers 5 saves them
-        stacked_keys = (f"{prefix}.{name}", f"{parent}.experts.{name}")
+        # stacked as mlx-community names them, fused as transformers 5 saves them, or renamed
+        stacked_keys = {f"{prefix}.{name}": (0, 1), f"{parent}.experts.{name}": (0, 1)}
+        for alias, part, parts in STACKED_ALIASES.get(name, ()):
+            stacked_keys[f"{parent}.{alias}"] = (part, parts)
         aliases = PER_EXPERT_NAMES.get(proj, (proj,))
         owners = {alias: self._parent(parent, f"{alias}.{param}") for alias in aliases}
         first_expert = [f"{owners[alias]}.experts.0.{alias}.{param}" for alias in aliases if param]
@@ -365,19 +379,25 @@ class ExpertStore:
         key = forms[0] if forms and forms[0] in stacked_keys else None
         stacked = self.tensors.get(key)
         if stacked is not None:
-            if stacked.shape != (num_experts, *shape):
+            part, parts = stacked_keys[key]
+            want = [num_experts, *shape]
+            if parts > 1:  # each expert's rows hold the parts one after the other
+                want[1] *= parts
+            if list(stacked.shape) != want:
                 raise StoreError(
                     f"{self.files[stacked.file]}: tensor '{key}' has shape "
-                    f"{list(stacked.shape)}, expected {[num_experts, *shape]}"
+                    f"{list(stacked.shape)}, expected {want}"
                 )
-            if stacked.nbytes != nbytes * num_experts:  # another dtype: each read would be off
+            if stacked.nbytes != nbytes * parts * num_experts:  # another dtype: reads would be off
                 raise StoreError(
                     f"{self.files[stacked.file]}: tensor '{key}' is {stacked.dtype} "
                     f"({stacked.nbytes // num_experts} bytes per expert) where the model reads "
-                    f"{nbytes} bytes per expert: convert the experts to the model's dtype"
+                    f"{nbytes * parts} bytes per expert: convert the experts to the model's dtype"
                 )
-            offsets = stacked.offset + nbytes * np.arange(num_experts, dtype=np.int64)
-            return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes, True)
+            offsets = stacked.offset + nbytes * (parts * np.arange(num_experts, dtype=np.int64)
+                                                 + part)
+            return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes,
+                                parts == 1)
         for alias in aliases:
             keys = [f"{owners[alias]}.experts.{e}.{alias}.{param}" for e in range(num_experts)]
             if keys[0] in self.tensors:
@@ -386,6 +406,13 @@ class ExpertStore:
             f"{self.model_dir}: expert tensor '{prefix}.{name}' (or its per-expert form "
             f"'{parent}.experts.0.{proj}.{param}') is in no shard"
         )
+
+    def stacked_key(self, parent: str, name: str) -> str | None:
+        """The checkpoint's whole stacked tensor a fused experts module under `parent` reads
+        as `name` (`gate_up_proj`), if the checkpoint has one."""
+        keys = [f"{parent}.experts.{name}", *(f"{parent}.{alias}" for alias, _, parts
+                                               in STACKED_ALIASES.get(name, ()) if parts == 1)]
+        return next((k for k in keys if k in self.tensors), None)
 
     def _parent(self, parent: str, tail: str) -> str:
         """The module whose per-expert tensors `experts.E.{tail}` a module under `parent` reads:

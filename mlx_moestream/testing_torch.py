@@ -58,9 +58,12 @@ MORE_CONFIGS = {
                                 num_hidden_layers=4, q_lora_rank=32, kv_lora_rank=16,
                                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                 head_dim=8, num_key_value_heads=4)),
-    # its original checkpoints name the experts `input_linear` and `output_linear`
+    # original checkpoints with stacked experts transformers renames: Granite's
+    # `input_linear` / `output_linear`, Aria's `experts.fc1` / `experts.fc2`
     "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=128, num_local_experts=8,
                                             num_experts_per_tok=2)),
+    "aria_text": ("AriaTextConfig", dict(intermediate_size=128, moe_num_experts=8, moe_topk=2,
+                                         moe_num_shared_experts=1)),
     # its original checkpoints keep q/k/v convolutions apart, which transformers concatenates
     "kimi_linear": ("KimiLinearConfig", dict(intermediate_size=96, moe_intermediate_size=128,
                                              num_local_experts=8, num_experts_per_tok=2,

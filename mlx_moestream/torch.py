@@ -227,18 +227,24 @@ def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
     found: dict[str, dict] = {}
     for key, info in store.tensors.items():
         match = EXPERT_KEY.match(key)
-        if not match or match["expert"] not in (None, "0"):
+        renamed = EXPERT_KEY.match(_module_name(key, renamings))
+        if renamed and renamed["expert"] is None and renamed["name"] in EXPERT_PARAMS:
+            # fused, as stored or by transformers' renaming (Granite's input_linear), found
+            # by the store under its stored name (`STACKED_ALIASES`)
+            parent, name = (match or renamed)["parent"], renamed["name"]
+        elif match and match["expert"] in (None, "0"):
+            parent, name = match["parent"], match["name"]
+        else:
             continue
-        module = _module_name(f"{match['parent']}.experts", renamings)
-        entry = found.setdefault(module, {"parent": match["parent"], "names": [], "dtypes": set()})
-        entry["names"].append(match["name"])
+        module = _module_name(f"{parent}.experts", renamings)
+        entry = found.setdefault(module, {"parent": parent, "names": [], "dtypes": set()})
+        entry["names"].append(name)
         entry["dtypes"].add(info.dtype)
     if not found:
         raise ModelError(f"{path}: no expert tensors named as transformers' fused experts "
                          f"modules take them ('...experts.gate_up_proj' or "
                          f"'...experts.0.gate_proj.weight'): not a Mixture-of-Experts "
-                         f"checkpoint, or one whose experts it renames at load (Granite's "
-                         f"input_linear), which the torch backend does not")
+                         f"checkpoint")
     out = []
     for module, entry in sorted(found.items(), key=lambda item: path_key(item[0])):
         dtypes = sorted(entry["dtypes"])
@@ -325,7 +331,7 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
                              f"experts where num_experts is {num}: not supported")
         specs = {}
         for name in e.names:
-            fused = store.tensors.get(f"{e.parent}.experts.{name}")
+            fused = store.tensors.get(store.stacked_key(e.parent, name))
             if fused is not None:  # [E, ...]
                 spec = (fused.shape[1:], e.dtype_name, fused.nbytes // fused.shape[0])
             else:
@@ -353,7 +359,7 @@ def _row_offset(store: ExpertStore, experts: "_Experts", name: str) -> int:
     """Where row 0 of a module parameter starts in its first page: where `from_pretrained`
     has it, in the file's map (fused checkpoints: the file offset), or in memory of its own
     (the per-expert tensors it merges), aligned as torch aligns."""
-    fused = store.tensors.get(f"{experts.parent}.experts.{name}")
+    fused = store.tensors.get(store.stacked_key(experts.parent, name))
     return fused.offset % mmap.PAGESIZE if fused is not None else 0
 
 

@@ -266,6 +266,31 @@ def test_per_expert_checkpoints_that_mlx_lm_renames_stream_exactly(tmp_path, ref
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
 
 
+# Granite-MoE: its checkpoints keep each expert's gate and up rows in one `input_linear`.
+GRANITE_MOE = {"model_type": "granitemoe", "vocab_size": 512, "hidden_size": 64,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 2048, "tie_word_embeddings": True,
+               "num_hidden_layers": 3, "intermediate_size": 32, "attention_bias": False,
+               "rope_theta": 10000.0, "logits_scaling": 4.0, "attention_multiplier": 0.1,
+               "embedding_multiplier": 12.0, "residual_multiplier": 0.2,
+               "num_local_experts": 8, "num_experts_per_tok": 2}
+
+
+def test_gate_and_up_stacked_in_one_tensor_stream_exactly(tmp_path, reference):
+    """mlx-lm splits Granite's `input_linear` [E, 2I, H] into gate and up: each expert's
+    halves are read from it (the load was refused, the tensors in no shard)."""
+    path = _save_model(tmp_path / "granite", GRANITE_MOE)
+    weights = mx.load(str(path / "model.safetensors"))
+    for key in [k for k in weights if ".switch_mlp.gate_proj." in k]:
+        up, down = key.replace("gate_proj", "up_proj"), key.replace("gate_proj", "down_proj")
+        weights[key.replace("switch_mlp.gate_proj", "input_linear")] = mx.concatenate(
+            [weights.pop(key), weights.pop(up)], axis=1)
+        weights[down.replace("switch_mlp.down_proj", "output_linear")] = weights.pop(down)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    model, _ = mlx_moestream.load(path, budget="40%")
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+
+
 def test_a_streamed_layer_syncs_once_per_call_for_its_ids(tiny_model):
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="50%")

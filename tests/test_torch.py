@@ -438,11 +438,14 @@ def test_a_dense_tensor_transformers_concatenates_at_load_is_refused_by_name(hf_
         moestream_torch.load(hf_model("kimi_linear"), budget="100%")
 
 
-def test_a_checkpoint_whose_expert_names_transformers_changes_at_load_is_refused_so(hf_model):
-    """Granite's `input_linear` becomes `experts.gate_up_proj` at load: the refusal said the
-    checkpoint was no Mixture-of-Experts one."""
-    with pytest.raises(ModelError, match="or one whose experts it renames at load"):
-        moestream_torch.load(hf_model("granitemoe"), budget="100%")
+@pytest.mark.parametrize("arch", ["granitemoe", "aria_text"])
+def test_stacked_experts_transformers_renames_at_load_stream_exactly(hf_model, hf_reference,
+                                                                     arch):
+    """Granite's `input_linear` and Aria's `experts.fc1` become `experts.gate_up_proj` at
+    load: they were refused, as no Mixture-of-Experts checkpoint and as a misfit tensor."""
+    path = hf_model(arch)
+    model, _ = moestream_torch.load(path, budget=moestream_torch.min_budget_bytes(path))
+    assert_equal_runs(run(model), hf_reference(path, torch.float32))
 
 
 def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_path):
