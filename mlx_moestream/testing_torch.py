@@ -64,6 +64,10 @@ MORE_CONFIGS = {
                                             num_experts_per_tok=2)),
     "aria_text": ("AriaTextConfig", dict(intermediate_size=128, moe_num_experts=8, moe_topk=2,
                                          moe_num_shared_experts=1)),
+    # a router bias its original checkpoints keep among the experts, which transformers moves
+    "laguna": ("LagunaConfig", dict(intermediate_size=96, moe_intermediate_size=128,
+                                    shared_expert_intermediate_size=64, num_experts=8,
+                                    num_experts_per_tok=2, sliding_window=64)),
     # its original checkpoints keep q/k/v convolutions apart, which transformers concatenates
     "kimi_linear": ("KimiLinearConfig", dict(intermediate_size=96, moe_intermediate_size=128,
                                              num_local_experts=8, num_experts_per_tok=2,

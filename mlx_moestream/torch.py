@@ -226,16 +226,13 @@ def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
     renamings = _renamings(config)
     found: dict[str, dict] = {}
     for key, info in store.tensors.items():
-        match = EXPERT_KEY.match(key)
-        renamed = EXPERT_KEY.match(_module_name(key, renamings))
-        if renamed and renamed["expert"] is None and renamed["name"] in EXPERT_PARAMS:
-            # fused, as stored or by transformers' renaming (Granite's input_linear), found
-            # by the store under its stored name (`STACKED_ALIASES`)
-            parent, name = (match or renamed)["parent"], renamed["name"]
-        elif match and match["expert"] in (None, "0"):
-            parent, name = match["parent"], match["name"]
-        else:
-            continue
+        renamed = EXPERT_KEY.match(_module_name(key, renamings))  # as transformers loads it
+        if not renamed or renamed["expert"] not in (None, "0"):
+            continue  # not expert 0's (Laguna's router bias, stored among the experts)
+        # the name the module takes: a stacked tensor transformers renames (Granite's
+        # input_linear) is found by the store under its stored name (`STACKED_ALIASES`)
+        match = EXPERT_KEY.match(key) or renamed
+        parent, name = match["parent"], (renamed if renamed["expert"] is None else match)["name"]
         module = _module_name(f"{parent}.experts", renamings)
         entry = found.setdefault(module, {"parent": parent, "names": [], "dtypes": set()})
         entry["names"].append(name)

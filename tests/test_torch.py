@@ -438,11 +438,12 @@ def test_a_dense_tensor_transformers_concatenates_at_load_is_refused_by_name(hf_
         moestream_torch.load(hf_model("kimi_linear"), budget="100%")
 
 
-@pytest.mark.parametrize("arch", ["granitemoe", "aria_text"])
-def test_stacked_experts_transformers_renames_at_load_stream_exactly(hf_model, hf_reference,
-                                                                     arch):
+@pytest.mark.parametrize("arch", ["granitemoe", "aria_text", "laguna"])
+def test_checkpoints_whose_expert_names_transformers_changes_stream_exactly(hf_model,
+                                                                            hf_reference, arch):
     """Granite's `input_linear` and Aria's `experts.fc1` become `experts.gate_up_proj` at
-    load: they were refused, as no Mixture-of-Experts checkpoint and as a misfit tensor."""
+    load, Laguna's `experts.e_score_correction_bias` a router's: they were refused, as no
+    Mixture-of-Experts checkpoint and as tensors that fill no expert parameter."""
     path = hf_model(arch)
     model, _ = moestream_torch.load(path, budget=moestream_torch.min_budget_bytes(path))
     assert_equal_runs(run(model), hf_reference(path, torch.float32))
