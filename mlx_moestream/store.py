@@ -157,6 +157,15 @@ def index_file(path: Path, file_id: int) -> dict[str, TensorInfo]:
     return tensors
 
 
+def _stacked_forms(parent: str, name: str) -> dict[str, tuple[int, int]]:
+    """Keys a stacked tensor a module under `parent` reads as `name` may have in an original
+    checkpoint, each with its (part, parts) of every expert's rows: fused as transformers 5
+    saves them, or under a `STACKED_ALIASES` name."""
+    return {f"{parent}.experts.{name}": (0, 1),
+            **{f"{parent}.{alias}": (part, parts)
+               for alias, part, parts in STACKED_ALIASES.get(name, ())}}
+
+
 def _page_aligned(array: np.ndarray) -> bool:
     return array.ctypes.data % mmap.PAGESIZE == 0 and array.flags.c_contiguous
 
@@ -363,10 +372,8 @@ class ExpertStore:
     def _locate(self, prefix, name, shape, nbytes, num_experts) -> ExpertTensor:
         parent = prefix.rsplit(".", 1)[0]
         proj, _, param = name.partition(".")  # a fused name (`gate_up_proj`) has no param
-        # stacked as mlx-community names them, fused as transformers 5 saves them, or renamed
-        stacked_keys = {f"{prefix}.{name}": (0, 1), f"{parent}.experts.{name}": (0, 1)}
-        for alias, part, parts in STACKED_ALIASES.get(name, ()):
-            stacked_keys[f"{parent}.{alias}"] = (part, parts)
+        # stacked as mlx-community names them, or as the original checkpoints do
+        stacked_keys = {f"{prefix}.{name}": (0, 1), **_stacked_forms(parent, name)}
         aliases = PER_EXPERT_NAMES.get(proj, (proj,))
         owners = {alias: self._parent(parent, f"{alias}.{param}") for alias in aliases}
         first_expert = [f"{owners[alias]}.experts.0.{alias}.{param}" for alias in aliases if param]
@@ -410,9 +417,8 @@ class ExpertStore:
     def stacked_key(self, parent: str, name: str) -> str | None:
         """The checkpoint's whole stacked tensor a fused experts module under `parent` reads
         as `name` (`gate_up_proj`), if the checkpoint has one."""
-        keys = [f"{parent}.experts.{name}", *(f"{parent}.{alias}" for alias, _, parts
-                                               in STACKED_ALIASES.get(name, ()) if parts == 1)]
-        return next((k for k in keys if k in self.tensors), None)
+        return next((key for key, (_, parts) in _stacked_forms(parent, name).items()
+                     if parts == 1 and key in self.tensors), None)
 
     def _parent(self, parent: str, tail: str) -> str:
         """The module whose per-expert tensors `experts.E.{tail}` a module under `parent` reads:
