@@ -10,6 +10,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import struct
 import threading
 import warnings
@@ -412,7 +413,24 @@ class ExpertStore:
         raise StoreError(
             f"{self.model_dir}: expert tensor '{prefix}.{name}' (or its per-expert form "
             f"'{parent}.experts.0.{proj}.{param}') is in no shard"
+            + self._stored_instead(prefix, num_experts)
         )
+
+    def _stored_instead(self, prefix: str, num_experts: int) -> str:
+        """What the checkpoint holds for the experts of `prefix`'s layer (tensors under
+        `experts.`, or of a row per expert and more dimensions), for the error of an expert
+        tensor it lacks."""
+        layer = re.search(r"[^.]+\.\d+\.", prefix)  # `layers.3.`
+        found = sorted(key for key, info in self.tensors.items()
+                       if layer and f".{layer[0]}" in f".{key}" and (
+                           ".experts." in key
+                           or len(info.shape) >= 3 and info.shape[0] == num_experts))
+        if not found:
+            return ""
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        return (f"; that layer's experts are stored as '{found[0]}'{more}, which the model "
+                f"converts at load in a way the store does not read (a transpose, an "
+                f"interleave, a dequantization): stream a checkpoint converted by mlx_lm.convert")
 
     def stacked_key(self, parent: str, name: str) -> str | None:
         """The checkpoint's whole stacked tensor a fused experts module under `parent` reads
@@ -448,11 +466,17 @@ class ExpertStore:
                     f"expected {list(shape)}"
                 )
             first = infos[0] if infos else info
-            if info.nbytes != nbytes or info.dtype != first.dtype:  # read past it, or misread
+            if info.dtype != first.dtype:  # misread
+                raise StoreError(
+                    f"{self.files[info.file]}: tensor '{key}' is {info.dtype} where the first "
+                    f"expert's is {first.dtype}: convert the experts to one dtype"
+                )
+            if info.nbytes != nbytes:  # read past it
                 raise StoreError(
                     f"{self.files[info.file]}: tensor '{key}' is {info.dtype} ({info.nbytes} "
-                    f"bytes) where the first expert's is {first.dtype} and the model reads "
-                    f"{nbytes} bytes per expert: convert the experts to one dtype"
+                    f"bytes) where the model reads {nbytes} bytes per expert: the model converts "
+                    f"the experts at load (FP8 ones to bfloat16), which the store does not: "
+                    f"stream a checkpoint converted by mlx_lm.convert"
                 )
             infos.append(info)
         files = np.array([i.file for i in infos])

@@ -103,6 +103,30 @@ def test_a_stacked_expert_tensor_of_another_dtype_than_the_model_reads_is_refuse
         store.add_layer("model.layers.1.mlp.switch_mlp", as_float16, 8)
 
 
+def test_per_expert_tensors_the_model_converts_at_load_are_refused_so(model_copy):
+    """Same dtype, other bytes per expert: an FP8 checkpoint mlx-lm dequantizes at load. The
+    message said to convert the experts to one dtype, which they were."""
+    store = ExpertStore(model_copy("qwen3_moe", layout="per_expert"))
+    as_bfloat16 = {name: (shape, nbytes // 2) for name, (shape, nbytes) in _params().items()}
+    with pytest.raises(StoreError, match=re.escape(
+            "tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' is F32 (8192 bytes) where "
+            "the model reads 4096 bytes per expert: the model converts the experts at load")):
+        store.add_layer("model.layers.0.mlp.switch_mlp", as_bfloat16, 8)
+
+
+def test_experts_in_no_known_form_are_refused_naming_what_the_checkpoint_holds(tmp_path):
+    """A fused tensor stored transposed (Llama 4's `experts.gate_up_proj` [E, H, 2I]): the
+    error named only the forms the store knows, not the tensor the file holds."""
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": np.zeros((8, 64, 64), np.float32),
+               "model.layers.0.mlp.experts.down_proj": np.zeros((8, 32, 64), np.float32),
+               "model.layers.0.mlp.gate.weight": np.zeros((8, 64), np.float32)},
+              tmp_path / "model.safetensors")
+    with pytest.raises(StoreError, match=re.escape(
+            "that layer's experts are stored as 'model.layers.0.mlp.experts.down_proj' and 1 "
+            "more, which the model converts at load in a way the store does not read")):
+        ExpertStore(tmp_path).add_layer("model.layers.0.mlp.switch_mlp", _params(), 8)
+
+
 def test_experts_stored_both_stacked_and_per_expert_are_refused(tiny_model, model_copy):
     """A shard left over from another conversion: mlx-lm stacks the per-expert tensors over the
     stacked ones, so reading the stacked ones would compute other experts than stock's."""
