@@ -16,7 +16,7 @@ import threading
 import warnings
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -38,17 +38,28 @@ PER_EXPERT_NAMES = {
     "fc1": ("fc1", "up_proj"),  # Nemotron-H
     "fc2": ("fc2", "down_proj"),
 }
-# Stacked [E, ...] tensors checkpoints keep under another name, by the name the module reads:
-# (name under the experts' block, part, parts), the tensor holding each expert's rows as
-# `parts` equal parts of which this is `part`. Granite keeps gate and up as the halves of one
-# `input_linear` (mlx-lm splits it, transformers renames it); Aria's text model has
-# transformers' fused tensors as `experts.fc1` / `experts.fc2`.
+# Stacked [E, rows, ...] tensors checkpoints keep under another name, by the name the module
+# reads: (name under the experts' block, part, parts, interleaved), the tensor holding `parts`
+# tensors' rows of which this is `part`, as blocks one after the other or (`interleaved`)
+# row by row; other dimensions may differ by a view (gpt-oss's u8 blocks of u32 words).
+# Granite keeps gate and up as the halves of one `input_linear` (mlx-lm splits it,
+# transformers renames it); Aria's text model has transformers' fused tensors as
+# `experts.fc1` / `experts.fc2`; gpt-oss's MXFP4 checkpoints alternate gate and up rows.
 STACKED_ALIASES = {
-    "gate_proj.weight": (("input_linear.weight", 0, 2),),
-    "up_proj.weight": (("input_linear.weight", 1, 2),),
-    "down_proj.weight": (("output_linear.weight", 0, 1),),
-    "gate_up_proj": (("input_linear.weight", 0, 1), ("experts.fc1.weight", 0, 1)),
-    "down_proj": (("output_linear.weight", 0, 1), ("experts.fc2.weight", 0, 1)),
+    "gate_proj.weight": (("input_linear.weight", 0, 2, False),
+                         ("experts.gate_up_proj_blocks", 0, 2, True)),
+    "up_proj.weight": (("input_linear.weight", 1, 2, False),
+                       ("experts.gate_up_proj_blocks", 1, 2, True)),
+    "gate_proj.scales": (("experts.gate_up_proj_scales", 0, 2, True),),
+    "up_proj.scales": (("experts.gate_up_proj_scales", 1, 2, True),),
+    "gate_proj.bias": (("experts.gate_up_proj_bias", 0, 2, True),),
+    "up_proj.bias": (("experts.gate_up_proj_bias", 1, 2, True),),
+    "down_proj.weight": (("output_linear.weight", 0, 1, False),
+                         ("experts.down_proj_blocks", 0, 1, False)),
+    "down_proj.scales": (("experts.down_proj_scales", 0, 1, False),),
+    "down_proj.bias": (("experts.down_proj_bias", 0, 1, False),),
+    "gate_up_proj": (("input_linear.weight", 0, 1, False), ("experts.fc1.weight", 0, 1, False)),
+    "down_proj": (("output_linear.weight", 0, 1, False), ("experts.fc2.weight", 0, 1, False)),
 }
 
 
@@ -158,13 +169,12 @@ def index_file(path: Path, file_id: int) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _stacked_forms(parent: str, name: str) -> dict[str, tuple[int, int]]:
+def _stacked_forms(parent: str, name: str) -> dict[str, tuple[int, int, bool]]:
     """Keys a stacked tensor a module under `parent` reads as `name` may have in an original
-    checkpoint, each with its (part, parts) of every expert's rows: fused as transformers 5
-    saves them, or under a `STACKED_ALIASES` name."""
-    return {f"{parent}.experts.{name}": (0, 1),
-            **{f"{parent}.{alias}": (part, parts)
-               for alias, part, parts in STACKED_ALIASES.get(name, ())}}
+    checkpoint, each with its (part, parts, interleaved) of every expert's rows: fused as
+    transformers 5 saves them, or under a `STACKED_ALIASES` name."""
+    return {f"{parent}.experts.{name}": (0, 1, False),
+            **{f"{parent}.{alias}": form for alias, *form in STACKED_ALIASES.get(name, ())}}
 
 
 def _page_aligned(array: np.ndarray) -> bool:
@@ -280,6 +290,10 @@ class ExpertTensor:
     offsets: np.ndarray  # [num_experts] absolute byte offsets
     nbytes: int
     stacked: bool = False  # the experts follow each other in one file (a stacked tensor)
+    # rows of `row_bytes` each `row_stride` bytes apart, interleaved with another tensor's
+    # (gpt-oss's gate and up); 0: the expert's bytes are contiguous
+    row_stride: int = 0
+    row_bytes: int = 0
 
 
 class ExpertStore:
@@ -359,8 +373,7 @@ class ExpertStore:
             self.verified.append(None)
         if share is not None:
             part = slice(share.start, share.stop)
-            located = [ExpertTensor(t.name, t.files[part], t.offsets[part], t.nbytes, t.stacked)
-                       for t in located]
+            located = [replace(t, files=t.files[part], offsets=t.offsets[part]) for t in located]
             for per_expert in (self.checksums, self.verified):
                 if per_expert[-1] is not None:
                     per_expert[-1] = per_expert[-1][part]
@@ -374,7 +387,7 @@ class ExpertStore:
         parent = prefix.rsplit(".", 1)[0]
         proj, _, param = name.partition(".")  # a fused name (`gate_up_proj`) has no param
         # stacked as mlx-community names them, or as the original checkpoints do
-        stacked_keys = {f"{prefix}.{name}": (0, 1), **_stacked_forms(parent, name)}
+        stacked_keys = {f"{prefix}.{name}": (0, 1, False), **_stacked_forms(parent, name)}
         aliases = PER_EXPERT_NAMES.get(proj, (proj,))
         owners = {alias: self._parent(parent, f"{alias}.{param}") for alias in aliases}
         first_expert = [f"{owners[alias]}.experts.0.{alias}.{param}" for alias in aliases if param]
@@ -387,11 +400,13 @@ class ExpertStore:
         key = forms[0] if forms and forms[0] in stacked_keys else None
         stacked = self.tensors.get(key)
         if stacked is not None:
-            part, parts = stacked_keys[key]
+            part, parts, interleaved = stacked_keys[key]
             want = [num_experts, *shape]
-            if parts > 1:  # each expert's rows hold the parts one after the other
+            if parts > 1:  # each expert's rows hold the parts
                 want[1] *= parts
-            if list(stacked.shape) != want:
+            # an alias's dimensions past its rows may differ by a view: its bytes must match
+            dims = None if key in (f"{prefix}.{name}", f"{parent}.experts.{name}") else 2
+            if list(stacked.shape[:dims]) != want[:dims]:
                 raise StoreError(
                     f"{self.files[stacked.file]}: tensor '{key}' has shape "
                     f"{list(stacked.shape)}, expected {want}"
@@ -402,10 +417,14 @@ class ExpertStore:
                     f"({stacked.nbytes // num_experts} bytes per expert) where the model reads "
                     f"{nbytes * parts} bytes per expert: convert the experts to the model's dtype"
                 )
-            offsets = stacked.offset + nbytes * (parts * np.arange(num_experts, dtype=np.int64)
-                                                 + part)
-            return ExpertTensor(name, np.full(num_experts, stacked.file), offsets, nbytes,
-                                parts == 1)
+            files = np.full(num_experts, stacked.file)
+            experts = np.arange(num_experts, dtype=np.int64)
+            if interleaved:  # its rows alternate with the other parts' rows
+                row = nbytes // shape[0]
+                offsets = stacked.offset + nbytes * parts * experts + part * row
+                return ExpertTensor(name, files, offsets, nbytes, False, parts * row, row)
+            offsets = stacked.offset + nbytes * (parts * experts + part)
+            return ExpertTensor(name, files, offsets, nbytes, parts == 1)
         for alias in aliases:
             keys = [f"{owners[alias]}.experts.{e}.{alias}.{param}" for e in range(num_experts)]
             if keys[0] in self.tensors:
@@ -435,7 +454,7 @@ class ExpertStore:
     def stacked_key(self, parent: str, name: str) -> str | None:
         """The checkpoint's whole stacked tensor a fused experts module under `parent` reads
         as `name` (`gate_up_proj`), if the checkpoint has one."""
-        return next((key for key, (_, parts) in _stacked_forms(parent, name).items()
+        return next((key for key, (_, parts, _) in _stacked_forms(parent, name).items()
                      if parts == 1 and key in self.tensors), None)
 
     def _parent(self, parent: str, tail: str) -> str:
@@ -532,8 +551,9 @@ class ExpertStore:
         return nbytes
 
     def expert_major(self, layer: int) -> bool:
-        """Whether `layer` is read from the repacked copy (expert by expert, direct I/O)."""
-        return self.blocks[layer] is not None
+        """Whether `layer` is read expert by expert: from the repacked copy (direct I/O), or
+        with rows interleaved with another tensor's (through a buffer)."""
+        return self.blocks[layer] is not None or any(t.row_stride for t in self.layers[layer])
 
     def plan_reads(self, dests: dict[int, dict[str, np.ndarray]]) -> list[Run]:
         """Reads of every expert of the layers in `dests` (store layer -> its [experts, ...]
@@ -600,9 +620,9 @@ class ExpertStore:
         self.verified[layer][expert] = True
 
     def _read_parts(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
-        """One preadv per run of the expert's contiguous tensors."""
+        """One preadv per run of the expert's contiguous tensors (and `_read_rows`)."""
         parts = sorted((int(t.files[expert]), int(t.offsets[expert]), i)
-                       for i, t in enumerate(self.layers[layer]))
+                       for i, t in enumerate(self.layers[layer]) if not t.row_stride)
         runs: list[list] = []  # [file, offset, buffers, names, nbytes]
         for file, offset, i in parts:
             t = self.layers[layer][i]
@@ -618,7 +638,41 @@ class ExpertStore:
             where = f"'{'+'.join(names)}' of layer {layer} expert {expert}"
             self._read_run(file, offset, bufs, nbytes, where)
             total += nbytes
+        return total + self._read_rows(layer, expert, dest)
+
+    def _read_rows(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
+        """The expert's tensors whose rows interleave (`ExpertTensor.row_stride`): each span
+        of rows they share in one read into a buffer, their rows copied out of it."""
+        spans: list[list] = []  # [file, start, end, tensors], in file order, disjoint
+        for t in sorted((t for t in self.layers[layer] if t.row_stride),
+                        key=lambda t: (int(t.files[expert]), int(t.offsets[expert]))):
+            file, start = int(t.files[expert]), int(t.offsets[expert])
+            end = start + (t.nbytes // t.row_bytes - 1) * t.row_stride + t.row_bytes
+            if spans and spans[-1][0] == file and start < spans[-1][2]:
+                spans[-1][2] = max(spans[-1][2], end)
+                spans[-1][3].append(t)
+            else:
+                spans.append([file, start, end, [t]])
+        total = 0
+        for file, start, end, tensors in spans:
+            buf = self._scratch(end - start)
+            where = f"'{'+'.join(t.name for t in tensors)}' of layer {layer} expert {expert}"
+            self._read_run(file, start, [memoryview(buf)[: end - start]], end - start, where)
+            read = np.frombuffer(buf, np.uint8, end - start)
+            for t in tensors:
+                rows = np.lib.stride_tricks.as_strided(
+                    read[int(t.offsets[expert]) - start :], (t.nbytes // t.row_bytes, t.row_bytes),
+                    (t.row_stride, 1), writeable=False)
+                dest[t.name].reshape(-1).view(np.uint8).reshape(rows.shape)[...] = rows
+                total += t.nbytes
         return total
+
+    def _scratch(self, nbytes: int) -> mmap.mmap:
+        """This thread's page-aligned buffer of at least `nbytes`, outside the budget."""
+        buf = getattr(self._bounce, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._bounce.buf = mmap.mmap(-1, nbytes)  # anonymous memory: page-aligned
+        return buf
 
     def _read_block(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """A repacked expert's page-aligned block in one O_DIRECT read: the page cache is
@@ -630,9 +684,7 @@ class ExpertStore:
         start = offset + expert * stride
         tensors = sorted(self.layers[layer], key=lambda t: int(t.offsets[expert]))
         total = sum(t.nbytes for t in tensors)
-        buf = getattr(self._bounce, "buf", None)
-        if buf is None or len(buf) < stride:
-            buf = self._bounce.buf = mmap.mmap(-1, stride)  # anonymous memory: page-aligned
+        buf = self._scratch(stride)
         where = f"layer {layer} expert {expert}"
         file = len(self.files) - 1
         views = [dest[t.name] for t in tensors]

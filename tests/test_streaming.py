@@ -291,6 +291,52 @@ def test_gate_and_up_stacked_in_one_tensor_stream_exactly(tmp_path, reference):
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
 
 
+def _alternate(a: mx.array, b: mx.array) -> mx.array:
+    """Rows of `a` and `b` taken in turn: [E, R, ...] twice -> [E, 2R, ...]."""
+    return mx.stack([a, b], axis=2).reshape(a.shape[0], 2 * a.shape[1], *a.shape[2:])
+
+
+def test_gate_and_up_rows_alternating_in_one_tensor_stream_exactly(tmp_path, reference):
+    """gpt-oss's own MXFP4 checkpoints alternate gate and up rows in `gate_up_proj_blocks`
+    (and its scales and biases), which mlx-lm takes apart at load: each expert's rows are
+    read at once and copied out (the load was refused, the tensors in no shard)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, save_config
+
+    from mlx_moestream.testing import _randomize, make_tokenizer, tiny_config
+
+    config = tiny_config("gpt_oss")
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    _randomize(model, 0)
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda path, m: ".experts." in path and hasattr(m, "to_quantized"))
+    weights = dict(tree_flatten(model.parameters()))
+    for key in [k for k in weights if k.endswith(".experts.gate_proj.weight")]:
+        experts = key.rsplit(".", 2)[0]
+        w = {f"{proj}.{p}": weights.pop(f"{experts}.{proj}.{p}")
+             for proj in ("gate_proj", "up_proj", "down_proj") for p in ("weight", "scales", "bias")}
+        blocks = _alternate(w["gate_proj.weight"], w["up_proj.weight"]).view(mx.uint8)
+        down = w["down_proj.weight"].view(mx.uint8)
+        weights.update({
+            f"{experts}.gate_up_proj_blocks": blocks.reshape(*blocks.shape[:2], -1, 16),
+            f"{experts}.gate_up_proj_scales": _alternate(w["gate_proj.scales"], w["up_proj.scales"]),
+            f"{experts}.gate_up_proj_bias": _alternate(w["gate_proj.bias"], w["up_proj.bias"]),
+            f"{experts}.down_proj_blocks": down.reshape(*down.shape[:2], -1, 16),
+            f"{experts}.down_proj_scales": w["down_proj.scales"],
+            f"{experts}.down_proj_bias": w["down_proj.bias"]})
+    path = tmp_path / "gpt-oss"
+    path.mkdir()
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    save_config(config, path / "config.json")
+    make_tokenizer(path, config["vocab_size"])
+    model, _ = mlx_moestream.load(path, budget="40%")
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+
+
 def test_a_streamed_layer_syncs_once_per_call_for_its_ids(tiny_model):
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="50%")
