@@ -233,7 +233,10 @@ def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
         # input_linear) is found by the store under its stored name (`STACKED_ALIASES`)
         match = EXPERT_KEY.match(key) or renamed
         parent, name = match["parent"], (renamed if renamed["expert"] is None else match)["name"]
-        module = _module_name(f"{parent}.experts", renamings)
+        if renamed["expert"] is None and store.stacked_key(parent, name) != key:
+            raise ModelError(f"{path}: transformers renames '{key}' to '{renamed.string}' at "
+                             f"load, which the torch backend does not read")
+        module = f"{renamed['parent']}.experts"
         entry = found.setdefault(module, {"parent": parent, "names": [], "dtypes": set()})
         entry["names"].append(name)
         entry["dtypes"].add(info.dtype)

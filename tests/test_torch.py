@@ -449,6 +449,25 @@ def test_checkpoints_whose_expert_names_transformers_changes_stream_exactly(hf_m
     assert_equal_runs(run(model), hf_reference(path, torch.float32))
 
 
+def test_a_stacked_tensor_transformers_renames_to_a_name_the_store_lacks_is_refused(
+        hf_model, tmp_path, monkeypatch):
+    """A renaming to an expert tensor under a name the store does not know (Inkling's
+    `experts.w2_weight` -> `experts.down_proj`) failed with a KeyError traceback in the plan."""
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(hf_model("qwen3_moe", fused=True), tmp_path / "model")
+    weights = {k.replace("experts.down_proj", "experts.w2_weight"): v
+               for k, v in load_file(path / "model.safetensors").items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(moestream_torch, "_renamings",
+                        lambda config: [(r"experts\.w2_weight", "experts.down_proj")])
+    with pytest.raises(ModelError, match=re.escape(
+            "transformers renames 'model.layers.0.mlp.experts.w2_weight' to "
+            "'model.layers.0.mlp.experts.down_proj' at load, which the torch backend does not "
+            "read")):
+        moestream_torch.load(path, budget="100%")
+
+
 def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_path):
     """`from_pretrained` computes in config.json's dtype, converting the weights; the experts
     stream as stored, so the output would differ from its with no error."""
