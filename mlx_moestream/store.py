@@ -290,10 +290,11 @@ class ExpertTensor:
     offsets: np.ndarray  # [num_experts] absolute byte offsets
     nbytes: int
     stacked: bool = False  # the experts follow each other in one file (a stacked tensor)
-    # rows of `row_bytes` each `row_stride` bytes apart, interleaved with another tensor's
-    # (gpt-oss's gate and up); 0: the expert's bytes are contiguous
-    row_stride: int = 0
-    row_bytes: int = 0
+    # > 0: the expert's `rows` alternate with those of the other tensors of a block of
+    # `parts` at `offsets` (gpt-oss's gate and up), this one's rows being `part` of each turn
+    rows: int = 0
+    part: int = 0
+    parts: int = 1
 
 
 class ExpertStore:
@@ -326,6 +327,7 @@ class ExpertStore:
         self._bounce = threading.local()  # each reader thread's page-aligned buffer
         self._expert_parents: dict[tuple[str, str], list[str]] | None = None  # see `_parent`
         self.layers: list[list[ExpertTensor]] = []
+        self.alternating: list[list[list[ExpertTensor]]] = []  # per layer, those of each block
         self.blocks: list[tuple[int, int] | None] = []  # (offset, stride) of repacked layers
         # per repacked layer, each expert block's crc32, and whether this session checked it
         self.checksums: list[np.ndarray | None] = []
@@ -381,6 +383,11 @@ class ExpertStore:
                 offset, stride = self.blocks[-1]
                 self.blocks[-1] = (offset + share.start * stride, stride)
         self.layers.append(located)
+        blocks: dict[tuple[int, int], list[ExpertTensor]] = {}
+        for t in located:
+            if t.rows:
+                blocks.setdefault((int(t.files[0]), int(t.offsets[0])), []).append(t)
+        self.alternating.append(list(blocks.values()))
         return len(self.layers) - 1
 
     def _locate(self, prefix, name, shape, nbytes, num_experts) -> ExpertTensor:
@@ -404,9 +411,9 @@ class ExpertStore:
             want = [num_experts, *shape]
             if parts > 1:  # each expert's rows hold the parts
                 want[1] *= parts
-            # an alias's dimensions past its rows may differ by a view: its bytes must match
-            dims = None if key in (f"{prefix}.{name}", f"{parent}.experts.{name}") else 2
-            if list(stacked.shape[:dims]) != want[:dims]:
+            # reads take rows and bytes: other dimensions may differ by a view (gpt-oss's u8
+            # blocks of u32 words), and mlx-lm checks the shapes it gives the model
+            if list(stacked.shape[:2]) != want[:2]:
                 raise StoreError(
                     f"{self.files[stacked.file]}: tensor '{key}' has shape "
                     f"{list(stacked.shape)}, expected {want}"
@@ -420,9 +427,9 @@ class ExpertStore:
             files = np.full(num_experts, stacked.file)
             experts = np.arange(num_experts, dtype=np.int64)
             if interleaved:  # its rows alternate with the other parts' rows
-                row = nbytes // shape[0]
-                offsets = stacked.offset + nbytes * parts * experts + part * row
-                return ExpertTensor(name, files, offsets, nbytes, False, parts * row, row)
+                offsets = stacked.offset + nbytes * parts * experts
+                return ExpertTensor(name, files, offsets, nbytes, rows=shape[0], part=part,
+                                    parts=parts)
             offsets = stacked.offset + nbytes * (parts * experts + part)
             return ExpertTensor(name, files, offsets, nbytes, parts == 1)
         for alias in aliases:
@@ -440,16 +447,18 @@ class ExpertStore:
         `experts.`, or of a row per expert and more dimensions), for the error of an expert
         tensor it lacks."""
         layer = re.search(r"[^.]+\.\d+\.", prefix)  # `layers.3.`
+        if layer is None:
+            return ""
         found = sorted(key for key, info in self.tensors.items()
-                       if layer and f".{layer[0]}" in f".{key}" and (
+                       if f".{layer[0]}" in f".{key}" and (
                            ".experts." in key
                            or len(info.shape) >= 3 and info.shape[0] == num_experts))
         if not found:
             return ""
         more = f" and {len(found) - 1} more" if len(found) > 1 else ""
-        return (f"; that layer's experts are stored as '{found[0]}'{more}, which the model "
-                f"converts at load in a way the store does not read (a transpose, an "
-                f"interleave, a dequantization): stream a checkpoint converted by mlx_lm.convert")
+        return (f"; for that layer's experts it holds '{found[0]}'{more}: experts the model "
+                f"converts at load in another way (a transpose, a dequantization) do not "
+                f"stream, a checkpoint converted by mlx_lm.convert does")
 
     def stacked_key(self, parent: str, name: str) -> str | None:
         """The checkpoint's whole stacked tensor a fused experts module under `parent` reads
@@ -553,7 +562,7 @@ class ExpertStore:
     def expert_major(self, layer: int) -> bool:
         """Whether `layer` is read expert by expert: from the repacked copy (direct I/O), or
         with rows interleaved with another tensor's (through a buffer)."""
-        return self.blocks[layer] is not None or any(t.row_stride for t in self.layers[layer])
+        return self.blocks[layer] is not None or bool(self.alternating[layer])
 
     def plan_reads(self, dests: dict[int, dict[str, np.ndarray]]) -> list[Run]:
         """Reads of every expert of the layers in `dests` (store layer -> its [experts, ...]
@@ -622,7 +631,7 @@ class ExpertStore:
     def _read_parts(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """One preadv per run of the expert's contiguous tensors (and `_read_rows`)."""
         parts = sorted((int(t.files[expert]), int(t.offsets[expert]), i)
-                       for i, t in enumerate(self.layers[layer]) if not t.row_stride)
+                       for i, t in enumerate(self.layers[layer]) if not t.rows)
         runs: list[list] = []  # [file, offset, buffers, names, nbytes]
         for file, offset, i in parts:
             t = self.layers[layer][i]
@@ -641,28 +650,19 @@ class ExpertStore:
         return total + self._read_rows(layer, expert, dest)
 
     def _read_rows(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
-        """The expert's tensors whose rows interleave (`ExpertTensor.row_stride`): each span
-        of rows they share in one read into a buffer, their rows copied out of it."""
-        spans: list[list] = []  # [file, start, end, tensors], in file order, disjoint
-        for t in sorted((t for t in self.layers[layer] if t.row_stride),
-                        key=lambda t: (int(t.files[expert]), int(t.offsets[expert]))):
-            file, start = int(t.files[expert]), int(t.offsets[expert])
-            end = start + (t.nbytes // t.row_bytes - 1) * t.row_stride + t.row_bytes
-            if spans and spans[-1][0] == file and start < spans[-1][2]:
-                spans[-1][2] = max(spans[-1][2], end)
-                spans[-1][3].append(t)
-            else:
-                spans.append([file, start, end, [t]])
+        """The expert's tensors whose rows alternate (`ExpertTensor.rows`): their block in one
+        read into a buffer, each one's rows copied out of it."""
         total = 0
-        for file, start, end, tensors in spans:
-            buf = self._scratch(end - start)
+        for tensors in self.alternating[layer]:
+            first = tensors[0]
+            nbytes = first.nbytes * first.parts
+            buf = self._scratch(nbytes)
             where = f"'{'+'.join(t.name for t in tensors)}' of layer {layer} expert {expert}"
-            self._read_run(file, start, [memoryview(buf)[: end - start]], end - start, where)
-            read = np.frombuffer(buf, np.uint8, end - start)
+            self._read_run(int(first.files[expert]), int(first.offsets[expert]),
+                           [memoryview(buf)[:nbytes]], nbytes, where)
+            block = np.frombuffer(buf, np.uint8, nbytes)
             for t in tensors:
-                rows = np.lib.stride_tricks.as_strided(
-                    read[int(t.offsets[expert]) - start :], (t.nbytes // t.row_bytes, t.row_bytes),
-                    (t.row_stride, 1), writeable=False)
+                rows = block.reshape(t.rows, t.parts, -1)[:, t.part]
                 dest[t.name].reshape(-1).view(np.uint8).reshape(rows.shape)[...] = rows
                 total += t.nbytes
         return total

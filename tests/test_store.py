@@ -122,8 +122,8 @@ def test_experts_in_no_known_form_are_refused_naming_what_the_checkpoint_holds(t
                "model.layers.0.mlp.gate.weight": np.zeros((8, 64), np.float32)},
               tmp_path / "model.safetensors")
     with pytest.raises(StoreError, match=re.escape(
-            "that layer's experts are stored as 'model.layers.0.mlp.experts.down_proj' and 1 "
-            "more, which the model converts at load in a way the store does not read")):
+            "for that layer's experts it holds 'model.layers.0.mlp.experts.down_proj' and 1 "
+            "more: experts the model converts at load in another way")):
         ExpertStore(tmp_path).add_layer("model.layers.0.mlp.switch_mlp", _params(), 8)
 
 
