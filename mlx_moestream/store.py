@@ -431,7 +431,7 @@ class ExpertStore:
                 return ExpertTensor(name, files, offsets, nbytes, rows=shape[0], part=part,
                                     parts=parts)
             offsets = stacked.offset + nbytes * (parts * experts + part)
-            return ExpertTensor(name, files, offsets, nbytes, parts == 1)
+            return ExpertTensor(name, files, offsets, nbytes, stacked=parts == 1)
         for alias in aliases:
             keys = [f"{owners[alias]}.experts.{e}.{alias}.{param}" for e in range(num_experts)]
             if keys[0] in self.tensors:

@@ -186,13 +186,14 @@ def _refuse_conversions(path: Path, config, store: ExpertStore) -> None:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
+    renamings = _renamings(config)
     for t in get_checkpoint_conversion_mapping(config.model_type) or []:
         if not isinstance(t, WeightConverter):
             continue
         ops = [type(op).__name__ for op in t.operations]
         merges = not set(ops) - MERGES  # done here for expert tensors only (Kimi-Linear
         for key in store.tensors:  # concatenates its q/k/v convolutions)
-            if t.compiled_sources.search(key) and not (merges and EXPERT_KEY.match(key)):
+            if t.compiled_sources.search(key) and not (merges and _as_loaded(key, renamings)):
                 raise ModelError(f"{path}: transformers converts '{key}' at load "
                                  f"({', '.join(ops)}), which the torch backend does not: "
                                  f"{config.model_type} checkpoints are not supported")
@@ -219,6 +220,12 @@ def _module_name(key: str, renamings: list[tuple[str, str]]) -> str:
 EXPERT_KEY = re.compile(r"^(?P<parent>.+)\.experts\.(?:(?P<expert>\d+)\.)?(?P<name>.+)$")
 
 
+def _as_loaded(key: str, renamings: list[tuple[str, str]]) -> re.Match | None:
+    """`EXPERT_KEY`'s match of a checkpoint key as transformers loads it (renamed): None for
+    a tensor that is not an expert's (Laguna's router bias, stored among the experts)."""
+    return EXPERT_KEY.match(_module_name(key, renamings))
+
+
 def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
     """Every fused experts module the model will have, from the checkpoint's names, in call
     order: the per-expert layout (`experts.{e}.gate_proj.weight`, Mixtral's w1/w3/w2) or the
@@ -226,9 +233,9 @@ def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
     renamings = _renamings(config)
     found: dict[str, dict] = {}
     for key, info in store.tensors.items():
-        renamed = EXPERT_KEY.match(_module_name(key, renamings))  # as transformers loads it
+        renamed = _as_loaded(key, renamings)
         if not renamed or renamed["expert"] not in (None, "0"):
-            continue  # not expert 0's (Laguna's router bias, stored among the experts)
+            continue  # not expert 0's tensor
         # the name the module takes: a stacked tensor transformers renames (Granite's
         # input_linear) is found by the store under its stored name (`STACKED_ALIASES`)
         match = EXPERT_KEY.match(key) or renamed
