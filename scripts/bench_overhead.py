@@ -6,6 +6,10 @@ is a prompt and --tokens greedy decode tokens through `mlx_lm.generate.generate_
 is a pass's mean time per token past the first --skip tokens, and the result the median
 over passes. The streamed model's statistics are those of its measured passes: hit rate,
 host syncs per token (as `stats()` counts them), and the time per token spent waiting for reads.
+A third model, `synced`, is stock with the structure a streamed layer call needs and nothing
+else: each expert module reads its routed ids to the host (one sync per layer) and schedules
+its output at once (`mx.async_eval`). Its ratio to stock is what that structure costs, the
+floor of `ratio_without_read_stall` at a budget that must sync.
 
     python scripts/bench_overhead.py --budget 30%
 """
@@ -21,13 +25,16 @@ from pathlib import Path
 
 import click
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
+import numpy as np
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx_moestream  # noqa: E402
 from mlx_moestream.hub import resolve_model_path  # noqa: E402
+from mlx_moestream.mlx_backend import expert_modules, _set_path  # noqa: E402
 
 PROMPT = "Ciao! Raccontami una storia breve su un gatto che vive a Roma."
 
@@ -40,6 +47,25 @@ def decode_ms(model, prompt: mx.array, tokens: int, skip: int) -> float:
         times.append(now - last)
         last = now
     return statistics.fmean(times[skip:]) * 1e3
+
+
+class SyncedExperts(nn.Module):
+    """Stock experts behind one host sync per call, their output scheduled at once."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        y = self.inner(x, mx.array(np.array(indices)))
+        mx.async_eval(y)
+        return y
+
+
+def synced(model: nn.Module) -> nn.Module:
+    for path, module in expert_modules(model):
+        _set_path(model, path, SyncedExperts(module))
+    return model
 
 
 def counters(model) -> dict:
@@ -57,25 +83,30 @@ def counters(model) -> dict:
 def main(budget: str, tokens: int, skip: int, repeats: int, prefetch: bool) -> None:
     path = resolve_model_path(None)
     stock, tokenizer = mlx_lm.load(str(path))
-    streamed, _ = mlx_moestream.load(path, budget=budget, prefetch=prefetch)
+    models = {"stock": stock, "synced": synced(mlx_lm.load(str(path))[0]),
+              "streamed": mlx_moestream.load(path, budget=budget, prefetch=prefetch)[0]}
     prompt = mx.array(tokenizer.encode(PROMPT))
-    for model in (stock, streamed):  # warm-up: the cache reaches its steady state
+    for model in models.values():  # warm-up: the cache reaches its steady state
         decode_ms(model, prompt, tokens, skip)
     load = os.getloadavg()[0]
+    streamed = models["streamed"]
     before = counters(streamed)
-    ms = {"stock": [], "streamed": []}
+    ms = {name: [] for name in models}
     for _ in range(repeats):
-        ms["stock"].append(decode_ms(stock, prompt, tokens, skip))
-        ms["streamed"].append(decode_ms(streamed, prompt, tokens, skip))
+        for name, model in models.items():
+            ms[name].append(decode_ms(model, prompt, tokens, skip))
     after = counters(streamed)
     n = after["tokens"] - before["tokens"]
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     stock_ms, streamed_ms = statistics.median(ms["stock"]), statistics.median(ms["streamed"])
+    synced_ms = statistics.median(ms["synced"])
     stall_ms = (after["stall_s"] - before["stall_s"]) / n * 1e3
     click.echo(json.dumps({
         "model": "embedded", "budget": budget, "prefetch": prefetch, "tokens": tokens, "repeats": repeats,
         "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
         "stock_ms_per_token": round(stock_ms, 3),
+        "synced_ms_per_token": round(synced_ms, 3),
+        "synced_ratio": round(synced_ms / stock_ms, 3),
         "streamed_ms_per_token": round(streamed_ms, 3),
         "ratio": round(streamed_ms / stock_ms, 3),
         "hit_rate": round(hits / (hits + misses), 4),
