@@ -4,8 +4,10 @@ mlx-lm on the same prompt, in one process. Prints JSON.
 Both models are loaded once and warmed up; their passes then alternate (--repeats each). A pass
 is a prompt and --tokens greedy decode tokens through `mlx_lm.generate.generate_step`; ms/token
 is a pass's mean time per token past the first --skip tokens, and the result the median
-over passes. The streamed model's statistics are those of its measured passes: hit rate,
-host syncs per token (as `stats()` counts them), and the time per token spent waiting for reads.
+over passes. The streamed model's statistics are those of the same timed tokens (read before
+and after them, outside the timing): hit rate, host syncs per token (as `stats()` counts them),
+and the time per token spent waiting for reads, which each pass subtracts from its own ms/token
+for `ratio_without_read_stall`.
 A third model, `synced`, is stock with the structure a streamed layer call needs and nothing
 else: each expert module reads its routed ids to the host (one sync per layer) and schedules
 its output at once (`mx.async_eval`). Its ratio to stock is what that structure costs, the
@@ -22,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import click
 import mlx.core as mx
@@ -39,13 +42,20 @@ from mlx_moestream.mlx_backend import expert_modules, _set_path  # noqa: E402
 PROMPT = "Ciao! Raccontami una storia breve su un gatto che vive a Roma."
 
 
-def decode_ms(model, prompt: mx.array, tokens: int, skip: int) -> float:
-    """Mean ms per decode token of one greedy pass, past the first `skip` tokens."""
+def decode_ms(model, prompt: mx.array, tokens: int, skip: int,
+              mark: Callable[[], None] | None = None) -> float:
+    """Mean ms per decode token of one greedy pass, past the first `skip` tokens; `mark` is
+    called, untimed, before and after those."""
     times, last = [], time.perf_counter()
-    for _ in generate_step(prompt, model, max_tokens=tokens):
+    for i, _ in enumerate(generate_step(prompt, model, max_tokens=tokens)):
         now = time.perf_counter()
         times.append(now - last)
+        if mark and i + 1 == skip:
+            mark()
+            now = time.perf_counter()
         last = now
+    if mark:
+        mark()
     return statistics.fmean(times[skip:]) * 1e3
 
 
@@ -90,17 +100,21 @@ def main(budget: str, tokens: int, skip: int, repeats: int, prefetch: bool) -> N
         decode_ms(model, prompt, tokens, skip)
     load = os.getloadavg()[0]
     streamed = models["streamed"]
-    before = counters(streamed)
     ms = {name: [] for name in models}
+    marks = []  # the streamed model's counters around each pass's timed tokens
     for _ in range(repeats):
         for name, model in models.items():
-            ms[name].append(decode_ms(model, prompt, tokens, skip))
-    after = counters(streamed)
-    n = after["tokens"] - before["tokens"]
-    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+            mark = (lambda: marks.append(counters(streamed))) if model is streamed else None
+            ms[name].append(decode_ms(model, prompt, tokens, skip, mark))
+    passes = [{k: after[k] - before[k] for k in after}
+              for before, after in zip(marks[::2], marks[1::2])]
+    timed = {k: sum(p[k] for p in passes) for k in passes[0]}
+    n, hits, misses = timed["tokens"], timed["hits"], timed["misses"]
+    stalls = [p["stall_s"] / p["tokens"] * 1e3 for p in passes]
     stock_ms, streamed_ms = statistics.median(ms["stock"]), statistics.median(ms["streamed"])
     synced_ms = statistics.median(ms["synced"])
-    stall_ms = (after["stall_s"] - before["stall_s"]) / n * 1e3
+    stall_ms = statistics.median(stalls)
+    without_stall = statistics.median(m - s for m, s in zip(ms["streamed"], stalls))
     click.echo(json.dumps({
         "model": "embedded", "budget": budget, "prefetch": prefetch, "tokens": tokens, "repeats": repeats,
         "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
@@ -110,9 +124,9 @@ def main(budget: str, tokens: int, skip: int, repeats: int, prefetch: bool) -> N
         "streamed_ms_per_token": round(streamed_ms, 3),
         "ratio": round(streamed_ms / stock_ms, 3),
         "hit_rate": round(hits / (hits + misses), 4),
-        "syncs_per_token": round((after["syncs"] - before["syncs"]) / n, 2),
+        "syncs_per_token": round(timed["syncs"] / n, 2),
         "read_stall_ms_per_token": round(stall_ms, 3),
-        "ratio_without_read_stall": round((streamed_ms - stall_ms) / stock_ms, 3),
+        "ratio_without_read_stall": round(without_stall / stock_ms, 3),
         "passes_ms": {k: [round(v, 3) for v in vs] for k, vs in ms.items()},
     }, indent=1))
 
