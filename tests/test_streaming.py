@@ -74,6 +74,36 @@ def test_generate_and_stream_generate_work_unchanged(tiny_model):
     assert streamed == text
 
 
+def test_batch_generate_matches_stock(tiny_model):
+    """Prompts of different lengths, left-padded into one batch: every decode call routes
+    several tokens at once."""
+    path = tiny_model("mixtral")
+    model, tokenizer = mlx_moestream.load(path, budget="50%")
+    stock, _ = mlx_lm.load(str(path))
+    prompts = [tokenizer.encode(text) for text in ("Ciao", "Una storia breve", "def f(x):")]
+    expected = mlx_lm.batch_generate(stock, tokenizer, prompts, max_tokens=12).texts
+    assert mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=12).texts == expected
+    assert mlx_moestream.stats(model)["evictions"] > 0
+
+
+@pytest.mark.parametrize("streamed_role", ["model", "draft_model"])
+def test_speculative_decoding_matches_stock(tiny_model, streamed_role):
+    """The main model verifies drafts several tokens per call, and mlx-lm trims the KV cache of
+    the rejected ones; either model may be the streamed one."""
+    path = tiny_model("mixtral")
+    streamed, tokenizer = mlx_moestream.load(path, budget="50%")
+    stock, other = mlx_lm.load(str(path))[0], mlx_lm.load(str(path))[0]
+
+    def text(model, draft_model):
+        return "".join(r.text for r in mlx_lm.stream_generate(
+            model, tokenizer, "Ciao", max_tokens=16, draft_model=draft_model, num_draft_tokens=3))
+
+    expected = text(stock, other)
+    models = {"model": stock, "draft_model": other} | {streamed_role: streamed}
+    assert text(**models) == expected
+    assert mlx_moestream.stats(streamed)["evictions"] > 0
+
+
 def test_stats_report_totals_and_layers(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%", window_tokens=16)
     greedy_logits(model)
