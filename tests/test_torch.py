@@ -100,6 +100,24 @@ def test_a_padded_batch_generates_as_the_loaded_model_bit_for_bit(hf_model, budg
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
 
 
+@pytest.mark.parametrize("streamed_role", ["model", "assistant_model"])
+def test_assisted_generation_matches_the_loaded_model_bit_for_bit(hf_model, streamed_role):
+    """The main model verifies the assistant's drafts several tokens per call and crops its
+    cache of the rejected ones; either model may be the streamed one."""
+    path = hf_model("qwen3_moe")
+
+    def loaded():
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    want = loaded().generate(PROMPT, assistant_model=loaded(), **DECODE)
+    streamed, _ = moestream_torch.load(path, budget="25%")
+    models = {"model": loaded(), "assistant_model": loaded()} | {streamed_role: streamed}
+    got = models["model"].generate(PROMPT, assistant_model=models["assistant_model"], **DECODE)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    assert mlx_moestream.stats(streamed)["evictions"] > 0
+
+
 @pytest.mark.parametrize("convert", ["to(bfloat16)", "half()"])
 def test_converting_a_streamed_model_after_load_is_refused_at_its_next_call(hf_model, convert):
     """The experts' copies would never be read into: every non-resident expert zeros."""
