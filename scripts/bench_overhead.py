@@ -31,13 +31,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import numpy as np
+from mlx.utils import tree_unflatten
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx_moestream  # noqa: E402
 from mlx_moestream.hub import resolve_model_path  # noqa: E402
-from mlx_moestream.mlx_backend import expert_modules, _set_path  # noqa: E402
+from mlx_moestream.mlx_backend import expert_modules  # noqa: E402
 
 PROMPT = "Ciao! Raccontami una storia breve su un gatto che vive a Roma."
 
@@ -73,8 +74,8 @@ class SyncedExperts(nn.Module):
 
 
 def synced(model: nn.Module) -> nn.Module:
-    for path, module in expert_modules(model):
-        _set_path(model, path, SyncedExperts(module))
+    model.update_modules(tree_unflatten([(path, SyncedExperts(module))
+                                         for path, module in expert_modules(model)]))
     return model
 
 
