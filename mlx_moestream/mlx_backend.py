@@ -32,6 +32,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+from .hub import ModelError
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
 from .runtime import Runtime, SlotPool
 
@@ -99,13 +100,50 @@ def _page_aligned_zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return buffer[skip : skip + size].reshape(shape)
 
 
-class StreamingExperts(nn.Module):
+class PooledExperts(nn.Module):
+    """What every module computing an expert module from slot pools shares. Its experts live in
+    the pools, outside the model's parameters (plain attributes, not children), where conversions
+    of the model after load (`set_dtype`, `nn.quantize`) cannot reach them, though stock
+    mlx-lm would convert them with the rest. Rather than compute with experts stock would not
+    have, a converted model is refused: `expert_dtype`, an empty parameter in the experts'
+    floating dtype, is converted exactly when they would be, and every call checks it;
+    quantizing experts that are not quantized yet is refused at once."""
+
+    def __init__(self, inner: nn.Module, path: str):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "path", path)
+        floats = [a.dtype for _, a in tree_flatten(inner.parameters())
+                  if mx.issubdtype(a.dtype, mx.floating)]
+        dtype = floats[0] if floats else mx.uint8  # none: nothing a conversion converts
+        self.expert_dtype = mx.zeros((0,), dtype)
+        object.__setattr__(self, "stored_dtype", dtype)
+        object.__setattr__(self, "quantizable", any(hasattr(m, "to_quantized")
+                                                    for _, m in inner.named_modules()))
+
+    def check_unconverted(self) -> None:
+        if self.expert_dtype.dtype != self.stored_dtype:
+            converted = _dtype_name(self.expert_dtype.dtype)
+            raise ModelError(
+                f"{self.path}: the model was converted to {converted} after load (set_dtype), "
+                f"which its experts cannot follow: they are read into the runtime's slots as "
+                f"stored ({_dtype_name(self.stored_dtype)}); convert the checkpoint instead "
+                f"(mlx_lm.convert --dtype {converted}) and load that")
+
+    def to_quantized(self, **kwargs) -> nn.Module:
+        """`nn.quantize` of the model: stock would quantize the experts unless they are."""
+        if not self.quantizable:
+            return self
+        raise ModelError(f"{self.path}: quantizing the model after load cannot reach its "
+                         "experts, which are read into the runtime's slots as stored; quantize "
+                         "the checkpoint instead (mlx_lm.convert -q) and load that")
+
+
+class StreamingExperts(PooledExperts):
     """Drop-in replacement for a SwitchGLU / SwitchMLP whose experts are streamed."""
 
     def __init__(self, inner: nn.Module, layer: int, runtime: Runtime, in_flight: "InFlight"):
-        super().__init__()
-        # Plain attributes, not children: the pool must not appear among the model's parameters.
-        object.__setattr__(self, "inner", inner)
+        super().__init__(inner, runtime.plan.layers[layer].path)
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "runtime", runtime)
         object.__setattr__(self, "in_flight", in_flight)
@@ -113,6 +151,7 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "next_router", None)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        self.check_unconverted()
         runtime = self.runtime
         # One thread's call at a time, computed before the next may reuse its slots: threads
         # sharing the model interleave whole layer calls.
@@ -195,18 +234,18 @@ class InFlight:
             self.output = None
 
 
-class ResidentExperts(nn.Module):
+class ResidentExperts(PooledExperts):
     """Every expert resident for good: ids map to slots on the device, no host sync, as in
     stock mlx-lm. Routing is counted later (`DeferredRouting`)."""
 
     def __init__(self, inner: nn.Module, layer: int, slot_map: mx.array, deferred: "DeferredRouting"):
-        super().__init__()
-        object.__setattr__(self, "inner", inner)
+        super().__init__(inner, deferred.runtime.plan.layers[layer].path)
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "slot_map", slot_map)  # one entry past the experts: masked ids
         object.__setattr__(self, "deferred", deferred)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        self.check_unconverted()
         self.deferred.add(self.layer, indices)
         valid = mx.minimum(indices.astype(mx.uint32), self.slot_map.size - 1)
         return self.inner(x, self.slot_map[valid])
@@ -252,7 +291,7 @@ class HostExperts(nn.Module):
 
     def __init__(self, local: nn.Module, first: int, count: int, group, watchdog: "Watchdog"):
         super().__init__()
-        object.__setattr__(self, "local", local)  # StreamingExperts or ResidentExperts
+        self.local = local  # StreamingExperts or ResidentExperts: a child, see `PooledExperts`
         object.__setattr__(self, "first", first)
         object.__setattr__(self, "count", count)
         object.__setattr__(self, "group", group)

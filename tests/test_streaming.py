@@ -3,6 +3,7 @@
 import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_moestream
 from mlx_moestream import prefetch
+from mlx_moestream.hub import ModelError
 from mlx_moestream.loader import load_lazy
 from mlx_moestream.testing import ARCHITECTURES, PROMPT_IDS, greedy_logits
 
@@ -104,6 +106,40 @@ def test_speculative_decoding_matches_stock(tiny_model, streamed_role):
     assert mlx_moestream.stats(streamed)["evictions"] > 0
 
 
+@pytest.mark.parametrize("budget", ["50%", "100%"])
+def test_a_dtype_conversion_after_load_is_refused_at_the_next_call(tiny_model, budget):
+    """set_dtype cannot reach the experts in their slot pools, and stock converts its own: a
+    4-bit model's float16 logits differed from stock's by up to 0.018."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget=budget)
+    model.set_dtype(mx.float16)
+    with pytest.raises(ModelError, match=r"switch_mlp: the model was converted to float16 after "
+                                         r"load \(set_dtype\).*mlx_lm.convert --dtype float16"):
+        greedy_logits(model)
+
+
+def test_a_conversion_to_the_stored_dtype_changes_nothing(tiny_model, reference):
+    path = tiny_model("qwen3_moe")
+    model, _ = mlx_moestream.load(path, budget="50%")
+    model.set_dtype(mx.float32)
+    assert all(mx.array_equal(a, b) for a, b in zip(greedy_logits(model), reference(path)))
+
+
+def test_quantizing_experts_after_load_is_refused(tiny_model):
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%")
+    with pytest.raises(ModelError, match="quantizing the model after load cannot reach its "
+                                         "experts.*mlx_lm.convert -q"):
+        nn.quantize(model, group_size=32, bits=4)
+
+
+def test_quantizing_a_model_whose_experts_are_quantized_computes_as_stock(tiny_model):
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="50%")
+    stock, _ = mlx_lm.load(str(path))
+    for m in (model, stock):
+        nn.quantize(m, group_size=32, bits=4)
+    assert all(mx.array_equal(a, b) for a, b in zip(greedy_logits(model), greedy_logits(stock)))
+
+
 def test_stats_report_totals_and_layers(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%", window_tokens=16)
     greedy_logits(model)
@@ -141,8 +177,9 @@ def test_experts_are_not_model_parameters(tiny_model):
     from mlx.utils import tree_flatten
 
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="25%")
-    names = [n for n, _ in tree_flatten(model.parameters())]
-    assert not any("switch_mlp" in n for n in names)
+    expert_params = {n: a for n, a in tree_flatten(model.parameters()) if "switch_mlp" in n}
+    assert expert_params  # an empty array per layer, whose dtype shows a conversion
+    assert all(n.endswith(".expert_dtype") and a.size == 0 for n, a in expert_params.items())
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
