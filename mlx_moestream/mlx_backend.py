@@ -118,8 +118,6 @@ class PooledExperts(nn.Module):
         dtype = floats[0] if floats else mx.uint8  # none: nothing a conversion converts
         self.expert_dtype = mx.zeros((0,), dtype)
         object.__setattr__(self, "stored_dtype", dtype)
-        object.__setattr__(self, "quantizable", any(hasattr(m, "to_quantized")
-                                                    for _, m in inner.named_modules()))
 
     def check_unconverted(self) -> None:
         if self.expert_dtype.dtype != self.stored_dtype:
@@ -132,7 +130,7 @@ class PooledExperts(nn.Module):
 
     def to_quantized(self, **kwargs) -> nn.Module:
         """`nn.quantize` of the model: stock would quantize the experts unless they are."""
-        if not self.quantizable:
+        if not any(hasattr(m, "to_quantized") for _, m in self.inner.named_modules()):
             return self
         raise ModelError(f"{self.path}: quantizing the model after load cannot reach its "
                          "experts, which are read into the runtime's slots as stored; quantize "
