@@ -88,7 +88,7 @@ def make_tiny_hf_moe(path, arch: str = "qwen3_moe", *, fused: bool = False,
     checkpoints name them, or (`fused`) the `experts.gate_up_proj` tensors transformers holds."""
     import transformers
 
-    from .testing import make_tokenizer
+    from .testing_tokenizer import make_tokenizer
 
     class_name, fields = {**TINY_CONFIGS, **MORE_CONFIGS}[arch]
     config = getattr(transformers, class_name)(**{**COMMON, **fields})

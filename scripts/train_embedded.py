@@ -40,7 +40,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from build_corpus import read_split  # noqa: E402
 
-from mlx_moestream.testing import make_tokenizer  # noqa: E402
+from mlx_moestream.testing_tokenizer import make_tokenizer  # noqa: E402
 
 DOMAINS = ("italian", "english", "python")
 

@@ -190,7 +190,7 @@ def test_dense_model_is_rejected_as_not_moe(tmp_path):
         {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
          "num_attention_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
          "num_key_value_heads": 2}))
-    from mlx_moestream.testing import make_tokenizer
+    from mlx_moestream.testing_tokenizer import make_tokenizer
 
     make_tokenizer(tmp_path)
     with pytest.raises(ModelError, match="not a Mixture-of-Experts model"):

@@ -225,7 +225,8 @@ def _save_model(path, config: dict):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes, save_config
 
-    from mlx_moestream.testing import _randomize, make_tokenizer
+    from mlx_moestream.testing import _randomize
+    from mlx_moestream.testing_tokenizer import make_tokenizer
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -371,7 +372,8 @@ def test_gate_and_up_rows_alternating_in_one_tensor_stream_exactly(tmp_path, ref
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes, save_config
 
-    from mlx_moestream.testing import _randomize, make_tokenizer, tiny_config
+    from mlx_moestream.testing import _randomize, tiny_config
+    from mlx_moestream.testing_tokenizer import make_tokenizer
 
     config = tiny_config("gpt_oss")
     model_class, args_class = _get_classes(config)

@@ -174,7 +174,7 @@ def test_prefetch_reads_each_next_layers_predicted_experts_and_stays_exact(hf_mo
 def test_prefetch_leaves_out_experts_whose_input_the_routers_do_not_take(tmp_path):
     """A latent MoE (Nemotron-H's `moe_latent_size`): the next router cannot predict from its
     experts' narrower input (it raised a shape error on the first decode token)."""
-    from mlx_moestream.testing import make_tokenizer
+    from mlx_moestream.testing_tokenizer import make_tokenizer
 
     config = transformers.NemotronHConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -593,3 +593,14 @@ def test_auto_takes_the_dense_weights_off_the_free_memory_once(hf_model, monkeyp
 def test_options_out_of_range_are_refused_before_the_model_builds(hf_model):
     with pytest.raises(ValueError, match="window_tokens must be at least 1 token"):
         moestream_torch.load(hf_model(), budget="50%", window_tokens=-3)
+
+
+def test_torch_test_checkpoints_build_with_mlx_blocked(tmp_path):
+    """A CUDA machine has torch but no mlx: its checks build their checkpoints there."""
+    code = ("import sys\n"
+            "for name in ('mlx', 'mlx_lm'): sys.modules[name] = None\n"
+            "from mlx_moestream.testing_torch import make_tiny_hf_moe\n"
+            f"make_tiny_hf_moe({str(tmp_path)!r}, 'mixtral')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "config.json").exists()
