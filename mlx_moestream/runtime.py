@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
@@ -38,8 +38,9 @@ class SlotPool:
     """[num_slots, ...] buffers, one per expert tensor, shared by the layers of one expert shape.
     `views` are host (numpy) views of the memory the backend computes from: reads land there.
 
-    A backend whose compute indexes experts by id (torch) places an expert by (layer, expert)
-    instead of by slot: it overrides `destination`, `layer_destination` and `release`."""
+    A backend whose compute indexes experts by id (torch on the CPU) places an expert by
+    (layer, expert) instead of by slot: it overrides `destination`, `layer_destination` and
+    `release`; one whose slots are in device memory overrides `landing`."""
 
     def __init__(self, views: dict[str, np.ndarray]):
         self.views = views
@@ -51,6 +52,12 @@ class SlotPool:
     def destination(self, layer: int, expert: int, slot: int) -> dict[str, np.ndarray]:
         """Where a read of `expert` of `layer` into `slot` lands, per tensor name."""
         return self.slot(slot)
+
+    @contextmanager
+    def landing(self, layer: int, expert: int, slot: int) -> Iterator[dict[str, np.ndarray]]:
+        """`destination` for the duration of one read; a pool whose slots the host cannot
+        write (device memory) lends a host buffer instead and moves it to the slot once read."""
+        yield self.destination(layer, expert, slot)
 
     def layer_destination(self, layer: int, slots: list[int]) -> dict[str, np.ndarray] | None:
         """Where a read of every expert of `layer` (expert e into `slots[e]`) lands as one
@@ -341,8 +348,8 @@ class Runtime:
     def read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
         """Read one expert into its slot: (bytes, seconds)."""
         start = time.perf_counter()
-        nbytes = self.store.read_expert(self.store_layer[layer], expert,
-                                        self.layer_pool[layer].destination(layer, expert, slot))
+        with self.layer_pool[layer].landing(layer, expert, slot) as destination:
+            nbytes = self.store.read_expert(self.store_layer[layer], expert, destination)
         return nbytes, time.perf_counter() - start
 
     def count_read(self, layer: int, nbytes: int, seconds: float, experts: int = 1) -> None:

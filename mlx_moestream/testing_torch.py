@@ -37,6 +37,16 @@ TINY_CONFIGS = {
                                              head_dim=8)),  # rope runs on qk_rope_head_dim
 }
 TORCH_ARCHITECTURES = list(TINY_CONFIGS)
+# 16 experts, 4 per token: with 2, a token's two expert outputs add the same in either order,
+# so a remap that changes the order of the sum could pass as exact.
+WIDER = {
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4),
+    "mixtral": dict(num_local_experts=16, num_experts_per_tok=4),
+    "gpt_oss": dict(num_local_experts=16, num_experts_per_tok=4),
+    "qwen2_moe": dict(num_experts=16, num_experts_per_tok=4),
+    "olmoe": dict(num_experts=16, num_experts_per_tok=4),
+    "deepseek_v3": dict(n_routed_experts=16, num_experts_per_tok=4),
+}
 # Checkpoints built for the tests of one behaviour each, not run through every test.
 MORE_CONFIGS = {
     # experts that compute every expert for every token (no routed ids to stream by)
@@ -83,15 +93,16 @@ MORE_CONFIGS = {
 
 
 def make_tiny_hf_moe(path, arch: str = "qwen3_moe", *, fused: bool = False,
-                     dtype: str = "float32", seed: int = 0) -> Path:
+                     dtype: str = "float32", seed: int = 0, **fields) -> Path:
     """Save a random-weight `arch` model to `path`: per-expert tensors as the original
-    checkpoints name them, or (`fused`) the `experts.gate_up_proj` tensors transformers holds."""
+    checkpoints name them, or (`fused`) the `experts.gate_up_proj` tensors transformers holds.
+    `fields` change its config (`WIDER`: more experts per token)."""
     import transformers
 
     from .testing_tokenizer import make_tokenizer
 
-    class_name, fields = {**TINY_CONFIGS, **MORE_CONFIGS}[arch]
-    config = getattr(transformers, class_name)(**{**COMMON, **fields})
+    class_name, defaults = {**TINY_CONFIGS, **MORE_CONFIGS}[arch]
+    config = getattr(transformers, class_name)(**{**COMMON, **defaults, **fields})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():  # the default init leaves biases and some norms at 0 or 1

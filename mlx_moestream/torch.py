@@ -10,13 +10,23 @@ with whatever experts implementation the model uses (eager, grouped_mm, batched_
 outputs are the same bit for bit. Before each call the runtime makes its routed experts
 resident. A call is never split (that would change the implementation's sums), so the budget
 must hold one layer's experts.
+
+On a GPU (`device="cuda"`) the experts cannot stay indexed by id (that needs memory for all of
+them), so each group of layers with one expert shape shares a `[slots, ...]` pool in device
+memory (`DeviceSlots`), the routed ids are remapped to slots, and reads land in pinned host
+buffers copied to their slots on a side stream the compute waits for. Measured on H100 and
+H200 GPUs (`scripts/check_cuda.py`): grouped_mm and batched_mm compute each routed row alone,
+so a plain remap is bit-exact; eager adds the experts' outputs in expert order, so its call
+gets the used slots gathered in expert-id order (an order-preserving remap).
 """
 
 from __future__ import annotations
 
 import inspect
 import mmap
+import queue
 import re
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +50,12 @@ DTYPES = {"F32": (torch.float32, "float32"), "BF16": (torch.bfloat16, "bfloat16"
           "F16": (torch.float16, "float16")}
 # The per-expert checkpoint names of a fused gate_up row: gate first, then up.
 GATE_UP = ("gate_proj", "up_proj")
+# Devices whose experts live in `[E, ...]` rows by expert id (`ExpertRows`); on the others they
+# live in slot pools (`DeviceSlots`).
+ROW_DEVICES = ("cpu",)
+# Experts implementations that compute each routed (token, expert) row on its own: their
+# outputs do not depend on where an expert's slot is (measured on CPU and CUDA).
+ROW_WISE = ("grouped_mm", "batched_mm")
 
 
 def load(model: str | Path, budget: int | str | None = None, *, device: str = "cpu",
@@ -53,15 +69,19 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     `profile`, `prewarm_share`, `pin_share`, `per_layer` and `prefetch` are those of
     `mlx_moestream.load`, within this backend's rule that every call fits at once: pins leave
     room for a whole layer, and a per-layer split must give each layer all its experts.
-    `experts_implementation` is transformers' (default: its own choice)."""
-    if device != "cpu":
-        raise ValueError(f"device '{device}': the torch backend streams on the CPU only for now")
+    `experts_implementation` is transformers' (default: its own choice). On `device="cuda"`
+    (or "cuda:N") the budget is GPU memory for experts, `auto` sized from the GPU's free
+    memory; the model's inputs go to that device, as for any transformers model on it."""
+    device = _device(device)
+    rows = device.type in ROW_DEVICES
     check_options(policy, prewarm_share, pin_share, window_tokens)
     path = resolve_model_path(model, revision)
     if profile is not None:
         profile = as_profile(profile)
-    memory = available_memory_bytes()  # before the dense weights load: `auto` counts them
-    lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation)
+    # before the dense weights load: `auto` counts them
+    memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
+        available_memory_bytes()
+    lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation, rows)
     if profile is not None:
         profile.check_model(plan.identity)
     # generate()'s defaults (eos ids, sampling) from generation_config.json, as from_pretrained
@@ -69,17 +89,21 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
                             proxies=None, local_files_only=True, token=None, revision=None,
                             subfolder="", trust_remote_code=False)
     modules = dict(lm.named_modules())
-    rows = ExpertRows([_rows(modules[e.module], e, store, layer.specs)
-                       for e, layer in zip(experts, plan.layers)])
+    layers = [(modules[e.module], e, _targets(modules[e.module], e, layer.specs))
+              for e, layer in zip(experts, plan.layers)]
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
                                   plan.dense_bytes, memory, plan.budget_holding())
     weights = profile.working_set() if per_layer and profile is not None else None
-    runtime = Runtime(plan, store, budget_bytes, rows.pool, policy, window_tokens, per_layer,
+    placed = ExpertRows(layers, store) if rows else DeviceSlots(layers, device)
+    runtime = Runtime(plan, store, budget_bytes, placed.pool, policy, window_tokens, per_layer,
                       weights, whole_calls=True)
+    if not rows:
+        placed.attach(runtime)
+        lm.to(device)  # the dense weights; the experts are in the slot pools already
     for i, e in enumerate(experts):
         nxt = experts[i + 1] if prefetch and i + 1 < len(experts) else None
         router = nxt and _router(modules[nxt.module.rsplit(".", 1)[0]], plan.num_experts)
-        _stream(modules[e.module], i, runtime, router)
+        _stream(modules[e.module], i, runtime, router, None if rows else placed)
     lm.moestream = runtime
     lm.save_pretrained = _refuse_saving
     if prefetch:
@@ -100,9 +124,22 @@ def _refuse_saving(*args, **kwargs) -> None:
                      "write the others as zeros; copy the checkpoint it was loaded from")
 
 
+def _device(name: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device '{name}': the torch backend streams on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}': this torch sees no CUDA device")
+    return device
+
+
 def plan_of(model: str | Path, revision: str | None = None) -> ModelPlan:
-    """The plan `load` makes of this model (its dense weights are loaded to measure them)."""
-    return _build(resolve_model_path(model, revision), False, None)[3]
+    """The plan `load` makes of this model on the CPU (its dense weights are loaded to measure
+    them)."""
+    return _build(resolve_model_path(model, revision), False, None, True)[3]
 
 
 def min_budget_bytes(model: str | Path, revision: str | None = None) -> int:
@@ -110,9 +147,9 @@ def min_budget_bytes(model: str | Path, revision: str | None = None) -> int:
     return plan_of(model, revision).budget_holding()
 
 
-def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None):
+def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None, rows: bool):
     """The model with its dense weights and untouched expert parameters, its store, its
-    experts modules and its plan."""
+    experts modules and its plan (`rows`: for `ExpertRows`, else for `DeviceSlots`)."""
     store = ExpertStore(path, drop_page_cache)
     config = AutoConfig.from_pretrained(path)
     if experts_implementation:
@@ -130,7 +167,7 @@ def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None
         lm = AutoModelForCausalLM.from_config(config, dtype=experts[0].dtype)
     lm.eval()
     modules = dict(lm.named_modules())
-    plan = _plan(path, config, store, experts, modules, _load_dense(lm, store, experts))
+    plan = _plan(path, config, store, experts, modules, _load_dense(lm, store, experts), rows)
     return lm, store, experts, plan
 
 
@@ -318,9 +355,10 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
 
 
 def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modules: dict,
-          dense_bytes: int) -> ModelPlan:
+          dense_bytes: int, rows: bool) -> ModelPlan:
     """The plan the MLX backend makes of the same checkpoint: its layer paths name the
-    checkpoint's blocks as mlx-lm does (`PARENT.switch_mlp`), so a profile fits both."""
+    checkpoint's blocks as mlx-lm does (`PARENT.switch_mlp`), so a profile fits both. In rows
+    (`rows`), an expert holds the pages its rows touch; in a slot pool, its bytes."""
     layers = []
     for e in experts:
         module = modules.get(e.module)
@@ -345,10 +383,9 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
                 info = store.tensors[f"{e.parent}.experts.0.{name}"]
                 spec = (info.shape, e.dtype_name, info.nbytes)
             specs[_canonical(name)] = (tuple(spec[0]), *spec[1:])
-        resident = sum(_pages_touched(p.nbytes // p.shape[0], _row_offset(store, e, name))
-                       for name, p in _expert_params(module))
-        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", num, specs,
-                                  held_bytes=resident))
+        held = sum(_pages_touched(p.nbytes // p.shape[0], _row_offset(store, e, name))
+                   for name, p in _expert_params(module)) if rows else 0
+        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", num, specs, held_bytes=held))
     raw = read_config(path)
     return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
 
@@ -387,47 +424,53 @@ def _canonical(name: str) -> str:
     return f"{PER_EXPERT_ALIASES.get(proj, proj)}.{param}" if param else name
 
 
-def _rows(module: torch.nn.Module, experts: _Experts, store: ExpertStore, specs: dict) -> dict:
-    """Give the module's expert parameters anonymous `[E, ...]` memory maps; returns the byte
-    views a read of each stored tensor lands in, per expert (`view[e]`), and the maps. Every
-    parameter must be filled exactly by the checkpoint's tensors (else a one-line error)."""
+def _targets(module: torch.nn.Module, experts: _Experts, specs: dict
+             ) -> dict[str, tuple[str, slice]]:
+    """Which expert parameter of the module each stored tensor fills, and which part of its
+    row (a fused gate_up row: the gate half, then the up half). Every parameter must be filled
+    exactly by the checkpoint's tensors (else a one-line error)."""
     params = dict(_expert_params(module))
-    views, maps = {}, []  # maps: (memory map, offset of row 0, bytes of one expert's row)
-    for name, param in params.items():
-        offset = _row_offset(store, experts, name)
-        tensor, buffer = _mapped(param.shape, param.dtype, offset)
-        maps.append((buffer, offset, tensor.nbytes // param.shape[0]))
-        setattr(module, name, torch.nn.Parameter(tensor))
-        views[name] = tensor.view(torch.uint8).numpy()  # [E, ..., bytes]
     out, filled = {}, dict.fromkeys(params, 0)
     for stored, (shape, _, nbytes) in specs.items():
         proj, _, kind = stored.partition(".")
+        part = slice(None)
         if not kind:  # the fused layout: one module parameter per stored tensor
-            target, view, want = stored, views.get(stored), tuple(params[stored].shape[1:]) \
-                if stored in params else None
+            target = stored
         elif proj in GATE_UP and kind == "weight" and "gate_up_proj" in params:
             if module.is_transposed or not module.is_concatenated:
                 raise ModelError(f"{experts.module}: per-expert checkpoints of a transposed or "
                                  f"interleaved gate_up layout are not supported")
-            target, gate_up = "gate_up_proj", params["gate_up_proj"]
-            half = gate_up.shape[1] // 2
-            view = views[target][:, :half] if proj == "gate_proj" else views[target][:, half:]
-            want = (half, *gate_up.shape[2:])
+            target = "gate_up_proj"
+            half = params[target].shape[1] // 2
+            part = slice(0, half) if proj == "gate_proj" else slice(half, None)
         else:
             target = proj if kind == "weight" else f"{proj}_bias"
-            view, want = views.get(target), tuple(params[target].shape[1:]) \
-                if target in params else None
-        if view is None or tuple(shape) != want or view[0].nbytes != nbytes:
+        row = params[target][0][part] if target in params else None
+        if row is None or tuple(shape) != tuple(row.shape) or row.nbytes != nbytes:
             raise ModelError(f"{experts.parent}.experts: the checkpoint's '{stored}' "
                              f"{list(shape)} fills no expert parameter of {experts.module}"
-                             + (f" (it needs {list(want)})" if want else ""))
-        out[stored] = view
+                             + (f" (it needs {list(row.shape)})" if row is not None else ""))
+        out[stored] = (target, part)
         filled[target] += nbytes
     for name, param in params.items():
         if filled[name] != param.nbytes // param.shape[0]:
             raise ModelError(f"{experts.parent}.experts: the checkpoint does not fill "
                              f"{experts.module}.{name} (no tensor, or only part of it)")
-    return {"views": out, "maps": maps}
+    return out
+
+
+def _landing(rows: dict[str, np.ndarray], targets: dict[str, tuple[str, slice]]
+             ) -> dict[str, np.ndarray]:
+    """Per stored tensor, the byte view its read lands in: `rows` are byte views of a module's
+    expert parameters (all experts' `[E, ...]` rows, or one expert's row), `targets` says which
+    part of a row each stored tensor fills."""
+    return {stored: rows[target][..., part, :] if part != slice(None) else rows[target]
+            for stored, (target, part) in targets.items()}
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a numpy array shaped as the tensor (the last axis in bytes)."""
+    return tensor.view(torch.uint8).numpy()
 
 
 def _mapped(shape: torch.Size, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, mmap.mmap]:
@@ -445,9 +488,19 @@ class ExpertRows:
     """The expert tensors of every layer, indexed by expert id: a read of (layer, expert) lands
     in that expert's row, wherever the cache put its slot; the cache's slots only count."""
 
-    def __init__(self, layers: list[dict]):
-        self.views = [layer["views"] for layer in layers]
-        self.maps = [layer["maps"] for layer in layers]
+    def __init__(self, layers: list[tuple[torch.nn.Module, _Experts, dict]], store: ExpertStore):
+        """Give each module's expert parameters anonymous `[E, ...]` memory maps."""
+        self.views, self.maps = [], []  # maps: (memory map, offset of row 0, bytes of a row)
+        for module, experts, targets in layers:
+            rows, maps = {}, []
+            for name, param in _expert_params(module):
+                offset = _row_offset(store, experts, name)
+                tensor, buffer = _mapped(param.shape, param.dtype, offset)
+                maps.append((buffer, offset, tensor.nbytes // param.shape[0]))
+                setattr(module, name, torch.nn.Parameter(tensor))
+                rows[name] = _bytes(tensor)
+            self.views.append(_landing(rows, targets))
+            self.maps.append(maps)
 
     def pool(self, like: ExpertLayer, num_slots: int) -> SlotPool:
         return _RowPool(self, like, num_slots)
@@ -495,12 +548,110 @@ class _RowPool(SlotPool):
         return self._nbytes
 
 
+class DeviceSlots:
+    """Slot pools in device memory, one per group of layers with one expert shape, each shared
+    by the group's experts modules as their expert parameters (`attach`). A read lands in one
+    of a few pinned host buffers (`STAGING`) and is copied to its slot on a side stream; a call
+    computes once the copies issued so far are done (`ready`), and a copy starts once the
+    computations queued before it are done, so it never overwrites a slot one of them reads."""
+
+    STAGING = 8  # host buffers: the runtime's reader threads and the caller's own reads
+
+    def __init__(self, layers: list[tuple[torch.nn.Module, _Experts, dict]],
+                 device: torch.device):
+        self.device = device
+        self.layers = {f"{e.parent}.switch_mlp": (module, targets)
+                       for module, e, targets in layers}
+        shapes = [{n: p[0] for n, p in _expert_params(module)} for module, _, _ in layers]
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        largest = max(sum(row.nbytes for row in rows.values()) for rows in shapes)
+        for _ in range(self.STAGING):
+            staged = torch.empty(largest, dtype=torch.uint8, pin_memory=cuda)
+            self.free.put((staged, torch.cuda.Event() if cuda else None))
+        self.pending = False  # copies issued since the compute last waited for them
+        self.compute = torch.cuda.current_stream(device) if cuda else None  # the calls' stream
+
+    def pool(self, like: ExpertLayer, num_slots: int) -> SlotPool:
+        module, targets = self.layers[like.path]
+        return _DevicePool(self, module, targets, num_slots)
+
+    def attach(self, runtime: Runtime) -> None:
+        """Make each layer's pool its module's expert parameters, numbered by slot."""
+        for i, layer in enumerate(runtime.plan.layers):
+            module, _ = self.layers[layer.path]
+            pool = runtime.layer_pool[i]
+            for name, param in pool.params.items():
+                setattr(module, name, param)
+            module.num_experts = pool.num_slots
+
+    @contextmanager
+    def landing(self, pool: "_DevicePool", slot: int):
+        """A staging buffer's views to read one expert into; once read, it is copied to
+        `slot` of `pool`. A buffer is written again only once its last copy is done."""
+        staged, copied = self.free.get()
+        try:
+            if copied is not None:
+                copied.synchronize()
+            rows, start = {}, 0
+            for name, row in pool.rows.items():
+                rows[name] = staged[start : start + row.nbytes].view(row.dtype).view(row.shape)
+                start += row.nbytes
+            yield _landing({name: _bytes(row) for name, row in rows.items()}, pool.targets)
+            with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+                if self.stream is not None:
+                    self.stream.wait_stream(self.compute)
+                for name, row in rows.items():
+                    pool.params[name].data[slot].copy_(row, non_blocking=True)
+                if copied is not None:
+                    copied.record(self.stream)
+            self.pending = True  # after the copies were issued: a `ready` seeing it covers them
+        finally:
+            self.free.put((staged, copied))
+
+    def ready(self) -> None:
+        """The compute stream waits for the copies issued so far."""
+        if self.stream is not None:
+            self.compute = torch.cuda.current_stream(self.device)
+        if self.pending:
+            self.pending = False  # first: a copy issued meanwhile sets it again
+            if self.stream is not None:
+                self.compute.wait_stream(self.stream)
+
+
+class _DevicePool(SlotPool):
+    """One group's `[num_slots, ...]` expert parameters in device memory (see `DeviceSlots`)."""
+
+    def __init__(self, slots: DeviceSlots, module: torch.nn.Module, targets: dict,
+                 num_slots: int):
+        self.slots, self.targets, self.num_slots = slots, targets, num_slots
+        self.rows = {name: param[0] for name, param in _expert_params(module)}
+        self.params = {name: torch.nn.Parameter(torch.zeros((num_slots, *row.shape),
+                                                            dtype=row.dtype, device=slots.device))
+                       for name, row in self.rows.items()}
+        self.views = {}  # no host views: reads land in staging buffers
+        self._nbytes = sum(p.nbytes for p in self.params.values())
+
+    def landing(self, layer: int, expert: int, slot: int):
+        return self.slots.landing(self, slot)
+
+    def layer_destination(self, layer: int, slots: list[int]) -> None:
+        return None  # every read goes through a staging buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
 def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
-            next_router: tuple[Callable[[torch.Tensor], torch.Tensor], int] | None) -> None:
+            next_router: tuple[Callable[[torch.Tensor], torch.Tensor], int] | None,
+            slots: DeviceSlots | None) -> None:
     """Before each call of the experts module, make its routed experts resident; the call
     itself runs under the runtime's lock, so no other thread's call evicts them meanwhile.
     With `next_router` (prefetch), a one-token call predicts the next layer's experts from its
-    own input and reads them while it computes."""
+    own input and reads them while it computes. With `slots`, the call computes on the slot
+    pool, its ids remapped (`_on_slots`)."""
     forward = module.forward
     num_experts = runtime.plan.layers[layer].num_experts
     top_k = runtime.plan.top_k
@@ -514,10 +665,11 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                 raise ModelError(
                     f"layer {layer}: the experts' '{name}' was moved or converted after load "
                     "(model.to, .half, ...), which streaming cannot follow: the experts are "
-                    "read in the checkpoint's dtype on the CPU")
+                    "read in the checkpoint's dtype to the device they were loaded on")
         with runtime.lock:
             ids = top_k_index.detach().to("cpu").numpy()
-            if runtime.route(layer, ids) is None:
+            placed = runtime.route(layer, ids)
+            if placed is None:
                 raise BudgetError(
                     f"layer {layer}: a call routes to more experts than the budget holds at "
                     f"once ({runtime.capacity(layer)} of {num_experts}); raise the budget")
@@ -528,9 +680,36 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                 with torch.no_grad():
                     picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
                 prefetch.after(layer, np.unique(picks.to("cpu").numpy()))
-            return forward(hidden_states, top_k_index, *args, **kwargs)
+            if slots is None:
+                return forward(hidden_states, top_k_index, *args, **kwargs)
+            slots.ready()
+            return _on_slots(module, forward, ids, placed, top_k_index,
+                             hidden_states, *args, **kwargs)
 
     module.forward = streaming_forward
+
+
+def _on_slots(module: torch.nn.Module, forward: Callable, ids: np.ndarray, placed: np.ndarray,
+              top_k_index: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Compute a call on the slot pool its module holds: the routed ids become the slots
+    `placed`. Where the implementation adds the experts' outputs in expert order (eager), the
+    used slots are gathered in expert-id order and the ids become ranks, so that order holds."""
+    device, dtype = top_k_index.device, top_k_index.dtype
+    if module.config._experts_implementation in ROW_WISE:
+        return forward(args[0], torch.from_numpy(placed).to(device, dtype), *args[1:], **kwargs)
+    used, first = np.unique(ids, return_index=True)
+    order = torch.from_numpy(placed.reshape(-1)[first]).to(device)
+    ranks = torch.from_numpy(np.searchsorted(used, ids)).to(device, dtype)
+    pool = {name: module._parameters[name] for name, _ in _expert_params(module)}
+    num_slots = module.num_experts
+    try:
+        for name, param in pool.items():
+            module._parameters[name] = torch.nn.Parameter(param.data.index_select(0, order))
+        module.num_experts = len(used)
+        return forward(args[0], ranks, *args[1:], **kwargs)
+    finally:
+        module._parameters.update(pool)
+        module.num_experts = num_slots
 
 
 def _router(block: torch.nn.Module, num_experts: int

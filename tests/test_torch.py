@@ -19,7 +19,7 @@ import mlx_moestream.torch as moestream_torch  # noqa: E402
 from mlx_moestream.budget import BudgetError  # noqa: E402
 from mlx_moestream.hub import ModelError  # noqa: E402
 from mlx_moestream.store import ExpertStore  # noqa: E402
-from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, make_tiny_hf_moe  # noqa: E402
+from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, WIDER, make_tiny_hf_moe  # noqa: E402
 
 PROMPT = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0))
 DECODE = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -30,11 +30,11 @@ def hf_model(tmp_path_factory):
     """Build (once per session) a tiny transformers checkpoint; same arguments, same folder."""
     root, built = tmp_path_factory.mktemp("hf"), {}
 
-    def build(arch="qwen3_moe", fused=False, dtype="float32"):
-        key = (arch, fused, dtype)
+    def build(arch="qwen3_moe", fused=False, dtype="float32", wide=False):
+        key = (arch, fused, dtype, wide)
         if key not in built:
             built[key] = make_tiny_hf_moe(root / "-".join(map(str, key)), arch, fused=fused,
-                                          dtype=dtype)
+                                          dtype=dtype, **(WIDER[arch] if wide else {}))
         return built[key]
 
     return build
@@ -147,6 +147,57 @@ def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference
         experts.forward = lambda h, ids, w, forward=forward: forward(h, perm[ids], w)
     with pytest.raises(AssertionError):
         assert_equal_runs(run(model), hf_reference(path, torch.float32))
+
+
+@pytest.fixture
+def slot_pools(monkeypatch):
+    """Experts in slot pools, as on a GPU (`DeviceSlots`), here on the CPU: the remap, the
+    staging buffers and the copies to the slots run as on CUDA, streams aside."""
+    monkeypatch.setattr(moestream_torch, "ROW_DEVICES", ())
+
+
+@pytest.mark.parametrize("budget", ["min", "25%", "100%"])
+@pytest.mark.parametrize("implementation", ["batched_mm", "eager"])
+@pytest.mark.parametrize("arch, fused", [("qwen3_moe", False), ("gpt_oss", True),
+                                         ("deepseek_v3", False)])
+def test_slot_pools_with_remapped_ids_match_the_loaded_model_bit_for_bit(
+        hf_model, slot_pools, arch, fused, implementation, budget):
+    """batched_mm computes each routed row alone (a plain remap); eager adds a token's expert
+    outputs in expert order (its used slots are gathered in that order). Four experts per
+    token: with two, the sum is the same in either order."""
+    path = hf_model(arch, fused, wide=True)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation=implementation)
+    if budget == "min":
+        budget = moestream_torch.min_budget_bytes(path)
+    model, _ = moestream_torch.load(path, budget, experts_implementation=implementation)
+    assert_equal_runs(run(model), run(expected))
+    stats = mlx_moestream.stats(model)
+    assert stats["slot_bytes"] <= stats["budget_bytes"]
+    assert (stats["evictions"] > 0) == (budget != "100%")
+
+
+def test_a_plain_slot_remap_is_not_exact_under_eager(hf_model, slot_pools, monkeypatch):
+    """Negative control: remapped as batched_mm's, eager's sums follow the slots' order."""
+    monkeypatch.setattr(moestream_torch, "ROW_WISE", (*moestream_torch.ROW_WISE, "eager"))
+    path = hf_model("qwen3_moe", wide=True)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="eager")
+    model, _ = moestream_torch.load(path, "25%", experts_implementation="eager")
+    with pytest.raises(AssertionError):
+        assert_equal_runs(run(model), run(expected))
+
+
+@pytest.mark.parametrize("device, message", [
+    ("mps", "device 'mps': the torch backend streams on cpu or cuda"),
+    ("gpu0", "device 'gpu0': the torch backend streams on cpu or cuda"),
+    ("cuda", "device 'cuda': this torch sees no CUDA device"),
+])
+def test_a_device_the_backend_cannot_stream_on_is_refused(hf_model, device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moestream_torch.load(hf_model("qwen3_moe"), "25%", device=device)
 
 
 def test_a_budget_below_one_layer_of_experts_is_a_clear_error(hf_model):
@@ -576,7 +627,7 @@ def test_auto_takes_the_dense_weights_off_the_free_memory_once(hf_model, monkeyp
     """The free memory is measured before the dense weights load: measured after, the memory
     they took was taken off again."""
     path = hf_model("qwen3_moe")
-    plan = moestream_torch._build(path, False, None)[3]
+    plan = moestream_torch.plan_of(path)
     memory = 2 * 2**30 + plan.dense_bytes + plan.expert_bytes // 2  # the reserve is 2 GiB
     load_dense, loaded = moestream_torch._load_dense, []
 

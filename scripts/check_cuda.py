@@ -1,0 +1,224 @@
+"""The torch backend on a CUDA GPU: exactness against the fully loaded model, and decode speed.
+
+Run on a machine with a CUDA GPU and torch + transformers (mlx is not needed):
+
+    python scripts/check_cuda.py [--quick] [--out result.json]
+
+1. Parity matrix. Tiny random checkpoints (`testing_torch`, 16 experts, 4 per token: `WIDER`)
+   of every torch architecture, in both checkpoint layouts and in float32 and bfloat16, under
+   each experts implementation (grouped_mm, batched_mm, eager), streamed at the minimum, 25%
+   and 100% budgets: `torch.equal` of prefill logits, greedy tokens and every decode step's
+   logits against `from_pretrained(...).to("cuda")`, with the evictions counted.
+2. Negative control: the same under eager with a plain remap (ids -> slots, no order kept),
+   which must differ somewhere, or the matrix could not have failed.
+3. Decode benchmark. A random bfloat16 checkpoint with Qwen3-30B-A3B's MoE layer shape
+   (hidden 2048, moe_intermediate 768, top-8) and 64 experts on --layers layers: greedy decode
+   tokens/s of the fully loaded model and of the streamed one at 100%, 50% and 25% (prefetch off
+   and on), with the streamed tokens checked equal, the hit rate, stall ms/token, the bytes
+   read per token and the host-to-device copy bandwidth from pinned memory.
+
+Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx_moestream.torch as moestream_torch  # noqa: E402
+from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, WIDER, make_tiny_hf_moe  # noqa: E402
+
+DEVICE = "cuda"
+IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+
+
+def decode(model, prompt: torch.Tensor, tokens: int) -> tuple[torch.Tensor, list, torch.Tensor]:
+    with torch.no_grad():
+        prefill = model(prompt).logits
+    out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return prefill, list(out.logits), out.sequences
+
+
+def same(a, b) -> dict:
+    return {"prefill": torch.equal(a[0], b[0]), "tokens": torch.equal(a[2], b[2]),
+            "steps": all(torch.equal(x, y) for x, y in zip(a[1], b[1]))}
+
+
+def parity(root: Path, archs: list[str], decode_tokens: int) -> tuple[list[dict], list[dict]]:
+    prompt = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    rows, control = [], []
+    for arch in archs:
+        for fused in (False, True):
+            for dtype in ("float32", "bfloat16"):
+                path = make_tiny_hf_moe(root / f"{arch}-{fused}-{dtype}", arch, fused=fused,
+                                        dtype=dtype, **WIDER[arch])
+                minimum = moestream_torch.min_budget_bytes(path)
+                for impl in IMPLEMENTATIONS:
+                    ref = transformers.AutoModelForCausalLM.from_pretrained(
+                        path, experts_implementation=impl).to(DEVICE)
+                    expected = decode(ref, prompt, decode_tokens)
+                    del ref
+                    for budget in (minimum, "25%", "100%"):
+                        model, _ = moestream_torch.load(path, budget, device=DEVICE,
+                                                        experts_implementation=impl)
+                        got = same(decode(model, prompt, decode_tokens), expected)
+                        stats = model.moestream.stats_dict()
+                        rows.append({"arch": arch, "fused": fused, "dtype": dtype, "impl": impl,
+                                     "budget": "min" if budget == minimum else budget, **got,
+                                     "evictions": stats["evictions"],
+                                     "hit_rate": round(stats["hit_rate"], 3)})
+                        model.moestream.close()
+                    if impl == "eager" and not fused:
+                        control.append({"arch": arch, "dtype": dtype,
+                                        **plain_remap(path, minimum, prompt, expected,
+                                                      decode_tokens)})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows, control
+
+
+def summary(rows: list[dict], control: list[dict]) -> dict:
+    exact = [r["prefill"] and r["tokens"] and r["steps"] for r in rows]
+    return {"parity": {"cases": len(rows), "exact": sum(exact),
+                       "evicting_cases": sum(r["evictions"] > 0 for r in rows),
+                       "failures": [r for r, ok in zip(rows, exact) if not ok]},
+            "negative_control": {"cases": len(control),
+                                 "differ": sum(not (c["prefill"] and c["steps"]) for c in control),
+                                 "rows": control}}
+
+
+def plain_remap(path, budget, prompt, expected, decode_tokens) -> dict:
+    """Eager computed with ids remapped to slots as grouped_mm's are: the order in which a
+    token's expert outputs are added follows the slots, not the experts."""
+    row_wise = moestream_torch.ROW_WISE
+    moestream_torch.ROW_WISE = row_wise + ("eager",)
+    try:
+        model, _ = moestream_torch.load(path, budget, device=DEVICE, experts_implementation="eager")
+        got = same(decode(model, prompt, decode_tokens), expected)
+        model.moestream.close()
+    finally:
+        moestream_torch.ROW_WISE = row_wise
+    return got
+
+
+def bench_model(root: Path, layers: int) -> Path:
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with transformers.initialization.no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.to(DEVICE)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    path = root / "bench"
+    model.save_pretrained(path)
+    from mlx_moestream.testing_tokenizer import make_tokenizer
+    make_tokenizer(path, vocab_size=config.vocab_size)
+    del model
+    return path
+
+
+def timed_decode(model, prompt, tokens: int) -> tuple[float, torch.Tensor]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def bench(root: Path, layers: int, tokens: int) -> dict:
+    path = bench_model(root, layers)
+    prompt = torch.randint(3, 4000, (1, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).to(DEVICE)
+    timed_decode(ref, prompt, 16)  # warm-up
+    seconds, expected = timed_decode(ref, prompt, tokens)
+    again, _ = timed_decode(ref, prompt, tokens)
+    out = {"layers": layers, "experts": 64, "top_k": 8, "tokens": tokens,
+           "implementation": ref.config._experts_implementation,
+           "expert_gb": round(sum(p.nbytes for n, p in ref.named_parameters()
+                                  if ".experts." in n) / 1e9, 3),
+           "h2d_pinned_gb_s": round(copy_bandwidth(), 1),
+           "resident_tok_s": [round(tokens / seconds, 2), round(tokens / again, 2)],
+           "streamed": []}
+    resident = tokens / min(seconds, again)
+    del ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    for budget in ("100%", "50%", "25%"):
+        for prefetch in (False, True):
+            model, _ = moestream_torch.load(path, budget, device=DEVICE, prefetch=prefetch)
+            timed_decode(model, prompt, 16)  # warm-up: the hot experts become resident
+            before = model.moestream.stats_dict()
+            seconds, got = timed_decode(model, prompt, tokens)
+            after = model.moestream.stats_dict()
+            hits = after["hits"] - before["hits"]
+            misses = after["misses"] - before["misses"]
+            stall = after["stall_ms"] - before["stall_ms"]
+            read = after["bytes_read"] - before["bytes_read"]
+            out["streamed"].append({
+                "budget": budget, "prefetch": prefetch, "tok_s": round(tokens / seconds, 2),
+                "implementation": model.config._experts_implementation,
+                "x_resident": round(resident / (tokens / seconds), 3),
+                "tokens_equal": torch.equal(got, expected),
+                "hit_rate": round(hits / max(hits + misses, 1), 3),
+                "stall_ms_per_token": round(stall / tokens, 3),
+                "mb_read_per_token": round(read / tokens / 1e6, 2)})
+            print(json.dumps(out["streamed"][-1]), file=sys.stderr, flush=True)
+            model.moestream.close()
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="qwen3_moe and gpt_oss only")
+    parser.add_argument("--decode-tokens", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8, help="the benchmark model's layers")
+    parser.add_argument("--bench-tokens", type=int, default=64)
+    parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    archs = ["qwen3_moe", "gpt_oss"] if args.quick else TORCH_ARCHITECTURES
+    with tempfile.TemporaryDirectory() as tmp:
+        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "transformers": transformers.__version__}
+        if not args.skip_parity:
+            result.update(summary(*parity(Path(tmp), archs, args.decode_tokens)))
+        if not args.skip_bench:
+            result["decode"] = bench(Path(tmp), args.layers, args.bench_tokens)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
