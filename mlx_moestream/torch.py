@@ -26,7 +26,7 @@ import inspect
 import mmap
 import queue
 import re
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -53,8 +53,8 @@ GATE_UP = ("gate_proj", "up_proj")
 # Devices whose experts live in `[E, ...]` rows by expert id (`ExpertRows`); on the others they
 # live in slot pools (`DeviceSlots`).
 ROW_DEVICES = ("cpu",)
-# Experts implementations that compute each routed (token, expert) row on its own: their
-# outputs do not depend on where an expert's slot is (measured on CPU and CUDA).
+# Experts implementations that compute each routed (token, expert) row on its own: on CUDA their
+# outputs do not depend on where an expert's slot is (measured; on the CPU, batched_mm's only).
 ROW_WISE = ("grouped_mm", "batched_mm")
 
 
@@ -136,15 +136,17 @@ def _device(name: str | torch.device) -> torch.device:
     return device
 
 
-def plan_of(model: str | Path, revision: str | None = None) -> ModelPlan:
-    """The plan `load` makes of this model on the CPU (its dense weights are loaded to measure
-    them)."""
-    return _build(resolve_model_path(model, revision), False, None, True)[3]
+def plan_of(model: str | Path, revision: str | None = None, device: str = "cpu") -> ModelPlan:
+    """The plan `load` makes of this model for `device` (its dense weights are loaded on the
+    CPU to measure them)."""
+    rows = _device(device).type in ROW_DEVICES
+    return _build(resolve_model_path(model, revision), False, None, rows)[3]
 
 
-def min_budget_bytes(model: str | Path, revision: str | None = None) -> int:
-    """The smallest budget `load` takes for this model: every expert of one layer."""
-    return plan_of(model, revision).budget_holding()
+def min_budget_bytes(model: str | Path, revision: str | None = None, device: str = "cpu") -> int:
+    """The smallest budget `load` takes for this model on `device`: every expert of one
+    layer (on the CPU, with the pages its rows share)."""
+    return plan_of(model, revision, device).budget_holding()
 
 
 def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None, rows: bool):
@@ -370,9 +372,9 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
             raise ModelError(f"{path}: {e.module} ({kind}) computes every expert for every "
                              "token, not the routed ones: nothing can stream")
         num = getattr(module, "num_experts", None)
-        rows = {p.shape[0] for _, p in _expert_params(module)}
-        if not isinstance(num, int) or rows != {num}:  # LongCat's identity experts
-            raise ModelError(f"{path}: {e.module} ({kind}) holds {sorted(rows)} rows of "
+        held_rows = {p.shape[0] for _, p in _expert_params(module)}
+        if not isinstance(num, int) or held_rows != {num}:  # LongCat's identity experts
+            raise ModelError(f"{path}: {e.module} ({kind}) holds {sorted(held_rows)} rows of "
                              f"experts where num_experts is {num}: not supported")
         specs = {}
         for name in e.names:
@@ -555,18 +557,20 @@ class DeviceSlots:
     computes once the copies issued so far are done (`ready`), and a copy starts once the
     computations queued before it are done, so it never overwrites a slot one of them reads."""
 
-    STAGING = 8  # host buffers: the runtime's reader threads and the caller's own reads
+    # host buffers: one per read in flight (the runtime's 4 reader threads and the caller's
+    # own), and a few more, so that a read rarely waits for an earlier copy to end
+    STAGING = 8
 
     def __init__(self, layers: list[tuple[torch.nn.Module, _Experts, dict]],
                  device: torch.device):
         self.device = device
         self.layers = {f"{e.parent}.switch_mlp": (module, targets)
                        for module, e, targets in layers}
-        shapes = [{n: p[0] for n, p in _expert_params(module)} for module, _, _ in layers]
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.free: queue.SimpleQueue = queue.SimpleQueue()
-        largest = max(sum(row.nbytes for row in rows.values()) for rows in shapes)
+        largest = max(sum(p[0].nbytes for _, p in _expert_params(module))
+                      for module, _, _ in layers)
         for _ in range(self.STAGING):
             staged = torch.empty(largest, dtype=torch.uint8, pin_memory=cuda)
             self.free.put((staged, torch.cuda.Event() if cuda else None))
@@ -595,17 +599,21 @@ class DeviceSlots:
             if copied is not None:
                 copied.synchronize()
             rows, start = {}, 0
-            for name, row in pool.rows.items():
-                rows[name] = staged[start : start + row.nbytes].view(row.dtype).view(row.shape)
-                start += row.nbytes
+            for name, (shape, dtype, nbytes) in pool.rows.items():
+                rows[name] = staged[start : start + nbytes].view(dtype).view(shape)
+                start += nbytes
             yield _landing({name: _bytes(row) for name, row in rows.items()}, pool.targets)
-            with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-                if self.stream is not None:
-                    self.stream.wait_stream(self.compute)
+            if self.stream is None:  # on the CPU (tests): plain copies
                 for name, row in rows.items():
-                    pool.params[name].data[slot].copy_(row, non_blocking=True)
-                if copied is not None:
-                    copied.record(self.stream)
+                    pool.params[name].data[slot].copy_(row)
+            else:
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_stream(self.compute)
+                    try:
+                        for name, row in rows.items():
+                            pool.params[name].data[slot].copy_(row, non_blocking=True)
+                    finally:  # a copy cut short still reads the buffer
+                        copied.record(self.stream)
             self.pending = True  # after the copies were issued: a `ready` seeing it covers them
         finally:
             self.free.put((staged, copied))
@@ -613,7 +621,10 @@ class DeviceSlots:
     def ready(self) -> None:
         """The compute stream waits for the copies issued so far."""
         if self.stream is not None:
-            self.compute = torch.cuda.current_stream(self.device)
+            current = torch.cuda.current_stream(self.device)
+            if current != self.compute:  # calls moved streams: later copies wait for both
+                current.wait_stream(self.compute)
+                self.compute = current
         if self.pending:
             self.pending = False  # first: a copy issued meanwhile sets it again
             if self.stream is not None:
@@ -626,10 +637,12 @@ class _DevicePool(SlotPool):
     def __init__(self, slots: DeviceSlots, module: torch.nn.Module, targets: dict,
                  num_slots: int):
         self.slots, self.targets, self.num_slots = slots, targets, num_slots
-        self.rows = {name: param[0] for name, param in _expert_params(module)}
-        self.params = {name: torch.nn.Parameter(torch.zeros((num_slots, *row.shape),
-                                                            dtype=row.dtype, device=slots.device))
-                       for name, row in self.rows.items()}
+        # per parameter, one expert's row: (shape, dtype, bytes)
+        self.rows = {name: (param.shape[1:], param.dtype, param[0].nbytes)
+                     for name, param in _expert_params(module)}
+        self.params = {name: torch.nn.Parameter(torch.zeros((num_slots, *shape), dtype=dtype,
+                                                            device=slots.device))
+                       for name, (shape, dtype, _) in self.rows.items()}
         self.views = {}  # no host views: reads land in staging buffers
         self._nbytes = sum(p.nbytes for p in self.params.values())
 
@@ -683,20 +696,22 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
             if slots is None:
                 return forward(hidden_states, top_k_index, *args, **kwargs)
             slots.ready()
-            return _on_slots(module, forward, ids, placed, top_k_index,
-                             hidden_states, *args, **kwargs)
+            return _on_slots(module, forward, hidden_states, ids, placed, top_k_index,
+                             *args, **kwargs)
 
     module.forward = streaming_forward
 
 
-def _on_slots(module: torch.nn.Module, forward: Callable, ids: np.ndarray, placed: np.ndarray,
-              top_k_index: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _on_slots(module: torch.nn.Module, forward: Callable, hidden_states: torch.Tensor,
+              ids: np.ndarray, placed: np.ndarray, top_k_index: torch.Tensor, *args, **kwargs
+              ) -> torch.Tensor:
     """Compute a call on the slot pool its module holds: the routed ids become the slots
     `placed`. Where the implementation adds the experts' outputs in expert order (eager), the
     used slots are gathered in expert-id order and the ids become ranks, so that order holds."""
     device, dtype = top_k_index.device, top_k_index.dtype
     if module.config._experts_implementation in ROW_WISE:
-        return forward(args[0], torch.from_numpy(placed).to(device, dtype), *args[1:], **kwargs)
+        return forward(hidden_states, torch.from_numpy(placed).to(device, dtype), *args,
+                       **kwargs)
     used, first = np.unique(ids, return_index=True)
     order = torch.from_numpy(placed.reshape(-1)[first]).to(device)
     ranks = torch.from_numpy(np.searchsorted(used, ids)).to(device, dtype)
@@ -706,7 +721,7 @@ def _on_slots(module: torch.nn.Module, forward: Callable, ids: np.ndarray, place
         for name, param in pool.items():
             module._parameters[name] = torch.nn.Parameter(param.data.index_select(0, order))
         module.num_experts = len(used)
-        return forward(args[0], ranks, *args[1:], **kwargs)
+        return forward(hidden_states, ranks, *args, **kwargs)
     finally:
         module._parameters.update(pool)
         module.num_experts = num_slots

@@ -63,7 +63,7 @@ def parity(root: Path, archs: list[str], decode_tokens: int) -> tuple[list[dict]
             for dtype in ("float32", "bfloat16"):
                 path = make_tiny_hf_moe(root / f"{arch}-{fused}-{dtype}", arch, fused=fused,
                                         dtype=dtype, **WIDER[arch])
-                minimum = moestream_torch.min_budget_bytes(path)
+                minimum = moestream_torch.min_budget_bytes(path, device=DEVICE)
                 for impl in IMPLEMENTATIONS:
                     ref = transformers.AutoModelForCausalLM.from_pretrained(
                         path, experts_implementation=impl).to(DEVICE)

@@ -177,6 +177,17 @@ def test_slot_pools_with_remapped_ids_match_the_loaded_model_bit_for_bit(
     assert (stats["evictions"] > 0) == (budget != "100%")
 
 
+def test_an_expert_in_a_slot_pool_costs_its_bytes(hf_model, slot_pools):
+    """Not the pages its rows would touch in memory maps: a slot is one expert's bytes, so the
+    minimum is one layer's expert bytes exactly."""
+    path = hf_model("qwen3_moe", fused=True)
+    plan = moestream_torch.plan_of(path)
+    assert [layer.slot_bytes for layer in plan.layers] == [layer.expert_bytes
+                                                           for layer in plan.layers]
+    layer = plan.layers[0]
+    assert moestream_torch.min_budget_bytes(path) == layer.expert_bytes * layer.num_experts
+
+
 def test_a_plain_slot_remap_is_not_exact_under_eager(hf_model, slot_pools, monkeypatch):
     """Negative control: remapped as batched_mm's, eager's sums follow the slots' order."""
     monkeypatch.setattr(moestream_torch, "ROW_WISE", (*moestream_torch.ROW_WISE, "eager"))
