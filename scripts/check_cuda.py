@@ -8,7 +8,9 @@ Run on a machine with a CUDA GPU and torch + transformers (mlx is not needed):
    of every torch architecture, in both checkpoint layouts and in float32 and bfloat16, under
    each experts implementation (grouped_mm, batched_mm, eager), streamed at the minimum, 25%
    and 100% budgets: `torch.equal` of prefill logits, greedy tokens and every decode step's
-   logits against `from_pretrained(...).to("cuda")`, with the evictions counted.
+   logits against `from_pretrained(...).to("cuda")`, with the evictions counted, the GPU
+   memory of the experts' slot pools checked against the budget, and what the load allocated
+   on the GPU beyond the model's tensors (allocator rounding alone, if nothing leaks).
 2. Negative control: the same under eager with a plain remap (ids -> slots, no order kept),
    which must differ somewhere, or the matrix could not have failed.
 3. Decode benchmark. A random bfloat16 checkpoint with Qwen3-30B-A3B's MoE layer shape
@@ -70,15 +72,22 @@ def parity(root: Path, archs: list[str], decode_tokens: int) -> tuple[list[dict]
                     expected = decode(ref, prompt, decode_tokens)
                     del ref
                     for budget in (minimum, "25%", "100%"):
+                        before = allocated()
                         model, _ = moestream_torch.load(path, budget, device=DEVICE,
                                                         experts_implementation=impl)
+                        held = storages(model)
+                        other = allocated() - before - sum(held.values())
                         got = same(decode(model, prompt, decode_tokens), expected)
                         stats = model.moestream.stats_dict()
                         rows.append({"arch": arch, "fused": fused, "dtype": dtype, "impl": impl,
                                      "budget": "min" if budget == minimum else budget, **got,
                                      "evictions": stats["evictions"],
-                                     "hit_rate": round(stats["hit_rate"], 3)})
+                                     "hit_rate": round(stats["hit_rate"], 3),
+                                     "expert_memory_within_budget":
+                                         held["experts"] <= stats["budget_bytes"],
+                                     "gpu_bytes_beyond_the_model": other})
                         model.moestream.close()
+                        del model
                     if impl == "eager" and not fused:
                         control.append({"arch": arch, "dtype": dtype,
                                         **plain_remap(path, minimum, prompt, expected,
@@ -87,10 +96,32 @@ def parity(root: Path, archs: list[str], decode_tokens: int) -> tuple[list[dict]
     return rows, control
 
 
+def allocated() -> int:
+    """GPU memory held by tensors now (what the loads before left is collected first)."""
+    gc.collect()
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+
+
+def storages(model) -> dict[str, int]:
+    """GPU bytes of the model's tensors: its experts' (the slot pools) and the others'."""
+    seen, held = set(), {"experts": 0, "other": 0}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers()]:
+        storage = tensor.untyped_storage()
+        if tensor.is_cuda and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held["experts" if ".experts." in name else "other"] += storage.nbytes()
+    return held
+
+
 def summary(rows: list[dict], control: list[dict]) -> dict:
     exact = [r["prefill"] and r["tokens"] and r["steps"] for r in rows]
     return {"parity": {"cases": len(rows), "exact": sum(exact),
                        "evicting_cases": sum(r["evictions"] > 0 for r in rows),
+                       "expert_memory_within_budget": sum(r["expert_memory_within_budget"]
+                                                          for r in rows),
+                       "most_gpu_bytes_beyond_the_model": max(r["gpu_bytes_beyond_the_model"]
+                                                              for r in rows),
                        "failures": [r for r, ok in zip(rows, exact) if not ok]},
             "negative_control": {"cases": len(control),
                                  "differ": sum(not (c["prefill"] and c["steps"]) for c in control),
