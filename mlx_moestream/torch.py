@@ -673,13 +673,13 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     where = [(name, param.data_ptr()) for name, param in _expert_params(module)]
 
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
-        for name, address in where:
-            if getattr(module, name).data_ptr() != address:
-                raise ModelError(
-                    f"layer {layer}: the experts' '{name}' was moved or converted after load "
-                    "(model.to, .half, ...), which streaming cannot follow: the experts are "
-                    "read in the checkpoint's dtype to the device they were loaded on")
-        with runtime.lock:
+        with runtime.lock:  # another thread's call of this layer may swap its experts (eager)
+            for name, address in where:
+                if getattr(module, name).data_ptr() != address:
+                    raise ModelError(
+                        f"layer {layer}: the experts' '{name}' was moved or converted after "
+                        "load (model.to, .half, ...), which streaming cannot follow: the experts "
+                        "are read in the checkpoint's dtype to the device they were loaded on")
             ids = top_k_index.detach().to("cpu").numpy()
             placed = runtime.route(layer, ids)
             if placed is None:

@@ -188,6 +188,40 @@ def test_an_expert_in_a_slot_pool_costs_its_bytes(hf_model, slot_pools):
     assert moestream_torch.min_budget_bytes(path) == layer.expert_bytes * layer.num_experts
 
 
+@pytest.mark.parametrize("placement, implementation, prefetch", [
+    ("rows", None, False), ("slots", "batched_mm", True), ("slots", "eager", False)])
+def test_two_threads_generating_on_one_model_both_match_the_loaded_model(
+        hf_model, monkeypatch, placement, implementation, prefetch):
+    """Each layer call makes its experts resident and computes under the runtime's lock: the
+    other thread's calls, in between, evict and read, and never change a result."""
+    import threading
+
+    if placement == "slots":
+        monkeypatch.setattr(moestream_torch, "ROW_DEVICES", ())
+    path = hf_model("qwen3_moe", wide=True)
+    expected = run(transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation=implementation))
+    model, _ = moestream_torch.load(path, "25%", prefetch=prefetch,
+                                    experts_implementation=implementation)
+    results, errors = [], []
+
+    def generate():
+        try:
+            results.extend(run(model) for _ in range(2))
+        except Exception as e:  # reported below
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=generate) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4
+    for got in results:
+        assert_equal_runs(got, expected)
+    assert mlx_moestream.stats(model)["evictions"] > 0
+
+
 def test_a_plain_slot_remap_is_not_exact_under_eager(hf_model, slot_pools, monkeypatch):
     """Negative control: remapped as batched_mm's, eager's sums follow the slots' order."""
     monkeypatch.setattr(moestream_torch, "ROW_WISE", (*moestream_torch.ROW_WISE, "eager"))
