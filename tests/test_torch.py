@@ -222,6 +222,34 @@ def test_two_threads_generating_on_one_model_both_match_the_loaded_model(
     assert mlx_moestream.stats(model)["evictions"] > 0
 
 
+def test_a_failed_read_into_a_slot_pool_leaves_no_stale_expert(hf_model, slot_pools,
+                                                               monkeypatch):
+    """The expert whose read failed leaves its slot, its staging buffer is returned, and the
+    next generation reads it again: equal to the loaded model."""
+    from mlx_moestream.store import StoreError
+
+    path = hf_model("qwen3_moe", wide=True)
+    expected = run(transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="batched_mm"))
+    model, _ = moestream_torch.load(path, "25%", experts_implementation="batched_mm")
+    store, reads = model.moestream.store, []
+    read = store.read_expert
+
+    def failing(*args):
+        reads.append(args)
+        if len(reads) == 40:
+            raise StoreError("a read error (test)")
+        return read(*args)
+
+    monkeypatch.setattr(store, "read_expert", failing)
+    with pytest.raises(StoreError, match="a read error"):
+        run(model)
+    assert_equal_runs(run(model), expected)
+    slots = model.moestream.pools[0].slots
+    assert slots.free.qsize() == slots.STAGING
+    assert mlx_moestream.stats(model)["read_errors"] == 1
+
+
 def test_a_plain_slot_remap_is_not_exact_under_eager(hf_model, slot_pools, monkeypatch):
     """Negative control: remapped as batched_mm's, eager's sums follow the slots' order."""
     monkeypatch.setattr(moestream_torch, "ROW_WISE", (*moestream_torch.ROW_WISE, "eager"))
