@@ -228,8 +228,8 @@ def _torch_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict
                                            return_dict=False)
     streamer = Echo(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
-    out = lm.generate(torch.tensor([tokens], device=lm.device), max_new_tokens=max_tokens, do_sample=temp > 0,
-                      temperature=temp or None, streamer=streamer,
+    out = lm.generate(torch.tensor([tokens], device=lm.device), max_new_tokens=max_tokens,
+                      do_sample=temp > 0, temperature=temp or None, streamer=streamer,
                       pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     end, first = time.perf_counter(), streamer.first or time.perf_counter()
     generated = out.shape[-1] - len(tokens)

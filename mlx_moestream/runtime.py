@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
@@ -39,7 +39,7 @@ class SlotPool:
     `views` are host (numpy) views of the memory the backend computes from: reads land there.
 
     A backend whose compute indexes experts by id (torch on the CPU) places an expert by
-    (layer, expert) instead of by slot: it overrides `destination`, `layer_destination` and
+    (layer, expert) instead of by slot: it overrides `landing`, `layer_destination` and
     `release`; one whose slots are in device memory overrides `landing`."""
 
     def __init__(self, views: dict[str, np.ndarray]):
@@ -49,15 +49,12 @@ class SlotPool:
     def slot(self, slot: int) -> dict[str, np.ndarray]:
         return {name: view[slot] for name, view in self.views.items()}
 
-    def destination(self, layer: int, expert: int, slot: int) -> dict[str, np.ndarray]:
-        """Where a read of `expert` of `layer` into `slot` lands, per tensor name."""
-        return self.slot(slot)
-
-    @contextmanager
-    def landing(self, layer: int, expert: int, slot: int) -> Iterator[dict[str, np.ndarray]]:
-        """`destination` for the duration of one read; a pool whose slots the host cannot
-        write (device memory) lends a host buffer instead and moves it to the slot once read."""
-        yield self.destination(layer, expert, slot)
+    def landing(self, layer: int, expert: int, slot: int
+                ) -> AbstractContextManager[dict[str, np.ndarray]]:
+        """Where a read of `expert` of `layer` into `slot` lands, per tensor name, for the
+        duration of the read: a pool whose slots the host cannot write (device memory) lends
+        a host buffer instead and moves it to the slot once read."""
+        return nullcontext(self.slot(slot))
 
     def layer_destination(self, layer: int, slots: list[int]) -> dict[str, np.ndarray] | None:
         """Where a read of every expert of `layer` (expert e into `slots[e]`) lands as one

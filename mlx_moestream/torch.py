@@ -26,7 +26,7 @@ import inspect
 import mmap
 import queue
 import re
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -199,6 +199,7 @@ class _Experts:
         self.parent = parent  # its block in the checkpoint, e.g. model.layers.3.block_sparse_moe
         self.names = names  # checkpoint names after `experts.` (and the expert id, if any)
         self.dtype, self.dtype_name = DTYPES[stored]
+        self.path = f"{parent}.switch_mlp"  # the plan's name of its layer: mlx-lm's
 
 
 def _renamings(config) -> list[tuple[str, str]]:
@@ -387,7 +388,7 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
             specs[_canonical(name)] = (tuple(spec[0]), *spec[1:])
         held = sum(_pages_touched(p.nbytes // p.shape[0], _row_offset(store, e, name))
                    for name, p in _expert_params(module)) if rows else 0
-        layers.append(ExpertLayer(f"{e.parent}.switch_mlp", num, specs, held_bytes=held))
+        layers.append(ExpertLayer(e.path, num, specs, held_bytes=held))
     raw = read_config(path)
     return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
 
@@ -519,8 +520,10 @@ class _RowPool(SlotPool):
         self.views = {}  # no slot memory of its own
         self._nbytes = num_slots * like.slot_bytes
 
-    def destination(self, layer: int, expert: int, slot: int) -> dict[str, np.ndarray]:
-        return {name: view[expert] for name, view in self.rows.views[layer].items()}
+    def landing(self, layer: int, expert: int, slot: int
+                ) -> AbstractContextManager[dict[str, np.ndarray]]:
+        """The expert's own rows, whatever its slot."""
+        return nullcontext({name: view[expert] for name, view in self.rows.views[layer].items()})
 
     def layer_destination(self, layer: int, slots: list[int]) -> dict[str, np.ndarray] | None:
         """Every row of the layer, whatever the slots (they only count)."""
@@ -564,8 +567,7 @@ class DeviceSlots:
     def __init__(self, layers: list[tuple[torch.nn.Module, _Experts, dict]],
                  device: torch.device):
         self.device = device
-        self.layers = {f"{e.parent}.switch_mlp": (module, targets)
-                       for module, e, targets in layers}
+        self.layers = {e.path: (module, targets) for module, e, targets in layers}
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.free: queue.SimpleQueue = queue.SimpleQueue()

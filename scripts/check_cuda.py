@@ -38,6 +38,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_moestream.torch as moestream_torch  # noqa: E402
+from mlx_moestream.testing_tokenizer import make_tokenizer  # noqa: E402
 from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, WIDER, make_tiny_hf_moe  # noqa: E402
 
 DEVICE = "cuda"
@@ -156,7 +157,6 @@ def bench_model(root: Path, layers: int) -> Path:
             param.normal_(0.0, 0.02)
     path = root / "bench"
     model.save_pretrained(path)
-    from mlx_moestream.testing_tokenizer import make_tokenizer
     make_tokenizer(path, vocab_size=config.vocab_size)
     del model
     return path
