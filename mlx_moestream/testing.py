@@ -192,6 +192,9 @@ def make_tiny_moe(
     _randomize(model, seed)
     if bits is not None:
         model, config = quantize_model(model, config, _group_size(model), bits)
+    for layer in model.layers:  # one layer's float weights at a time, then only quantized ones
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
     weights = dict(tree_flatten(model.parameters()))
     if layout == "per_expert":
         weights = _unstack_experts(weights, arch)
@@ -213,7 +216,6 @@ def _randomize(model, seed: int) -> None:
     model.load_weights(
         [(name, _random_like(name, p, key)) for (name, p), key in zip(params, keys)]
     )
-    mx.eval(model.parameters())
 
 
 def _random_like(name: str, p: mx.array, key: mx.array) -> mx.array:

@@ -72,6 +72,17 @@ def test_bits_8_with_wide_experts_uses_group_size_64(tmp_path):
     assert config["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
 
 
+def test_a_quantized_model_holds_one_layer_of_float_weights_at_a_time_while_built(tmp_path):
+    """Benchmarks build models of a real model's layer shape: 12 float32 layers of Qwen3-30B-A3B
+    would not fit in memory, their quantized weights do."""
+    layers, shape = 8, {"num_experts": 32, "moe_intermediate_size": 256, "hidden_size": 256}
+    float_layer = 3 * shape["num_experts"] * shape["moe_intermediate_size"] * 256 * 4
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()  # what other tests keep alive
+    make_tiny_moe(tmp_path, "qwen3_moe", bits=4, num_layers=layers, **shape)
+    assert mx.get_peak_memory() - before < 3 * float_layer < layers * float_layer
+
+
 def test_shards_write_an_index_and_load_identically(tmp_path):
     single = make_tiny_moe(tmp_path / "single", "qwen3_moe")
     sharded = make_tiny_moe(tmp_path / "sharded", "qwen3_moe", shards=3)
