@@ -119,6 +119,21 @@ class PooledExperts(nn.Module):
         self.expert_dtype = mx.zeros((0,), dtype)
         object.__setattr__(self, "stored_dtype", dtype)
 
+    def start_routing(self, indices: mx.array) -> None:
+        """Start computing a call's routed ids, which its host sync then waits for. MLX refuses
+        to inside a function transformation (`mx.compile`, `mx.grad`, `mx.vmap`), where a
+        streamed call cannot be right: later calls overwrite the slots its experts are read
+        into, under the gradient that reads them again and the compiled graph that replays
+        them."""
+        try:
+            mx.async_eval(indices)
+        except ValueError:
+            raise ModelError(
+                f"{self.path}: a model streaming its experts cannot run under mx.compile, "
+                f"mx.grad, mx.vmap or another function transformation (later calls overwrite "
+                f"the slots its experts are read into); to compile or differentiate it, load it "
+                f"with a budget that holds every expert") from None
+
     def check_unconverted(self) -> None:
         if self.expert_dtype.dtype != self.stored_dtype:
             converted = _dtype_name(self.expert_dtype.dtype)
@@ -150,6 +165,7 @@ class StreamingExperts(PooledExperts):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         self.check_unconverted()
+        self.start_routing(indices)
         runtime = self.runtime
         # One thread's call at a time, computed before the next may reuse its slots: threads
         # sharing the model interleave whole layer calls.
@@ -267,7 +283,10 @@ class DeferredRouting:
 
     def count(self, keep: int = 0) -> None:
         """Route this thread's deferred calls (whole forward calls, all but the last `keep`
-        layer calls) and those of threads that have ended, in call order."""
+        layer calls) and those of threads that have ended, in call order. Ids that cannot be
+        computed are routing that never was, and go uncounted: a thread that ended before its
+        last layer's ids were needed (a prefill evaluating only the KV cache, as stock skips
+        that layer), or a trace of `mx.compile`."""
         runtime = self.runtime
         layers, me = runtime.plan.num_layers, threading.current_thread()
         with runtime.lock:
@@ -278,7 +297,11 @@ class DeferredRouting:
                 if cut < len(calls) and thread is me:
                     self.calls[thread] = calls[cut:]
                 for layer, indices in calls[:cut]:
-                    runtime.route(layer, np.array(indices), compute=False)
+                    try:
+                        ids = np.array(indices)
+                    except (ValueError, RuntimeError):  # never computed: left uncounted
+                        continue
+                    runtime.route(layer, ids, compute=False)
 
 
 class HostExperts(nn.Module):
@@ -297,6 +320,7 @@ class HostExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if isinstance(self.local, StreamingExperts):  # it syncs for the ids anyway: once here
+            self.local.start_routing(indices)
             ids = np.array(indices).astype(np.int32) - self.first
             owned = (ids >= 0) & (ids < self.count)
             ids[~owned] = -1  # another host's: masked, never read here

@@ -3,8 +3,9 @@
 import threading
 
 import mlx.core as mx
+import mlx_lm
 import pytest
-from mlx_moestream.testing import greedy_logits
+from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
 import mlx_moestream
 
@@ -85,3 +86,30 @@ def test_stats_from_another_thread_lag_a_generation_by_at_most_two_tokens(tiny_m
         go.set()
     thread.join()
     assert max(lags) <= 2
+
+
+def test_generation_goes_on_from_a_prompt_cache_another_thread_filled(tiny_model):
+    """Every expert resident: a thread that prefilled a prompt cache (evaluating only the cache,
+    as generate_step does, so its last layer's routing is never computed) and ended leaves
+    nothing that fails the next call or `stats()`."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = tiny_model("qwen3_moe")
+    tokens = {}
+    for name, model in (("stock", mlx_lm.load(str(path))[0]),
+                        ("streamed", mlx_moestream.load(path, budget="100%")[0])):
+        cache = make_prompt_cache(model)
+
+        def fill(model=model, cache=cache):
+            model(mx.array(PROMPT_IDS[:, :40]), cache=cache)
+            mx.eval([c.state for c in cache])
+
+        prefill = threading.Thread(target=fill)
+        prefill.start()
+        prefill.join()
+        steps = generate_step(mx.array(PROMPT_IDS[0, 40:45]), model, prompt_cache=cache,
+                              max_tokens=8)
+        tokens[name] = [int(token) for token, _ in steps]
+    assert tokens["streamed"] == tokens["stock"]
+    assert mlx_moestream.stats(model)["tokens"] >= 40 + 5
