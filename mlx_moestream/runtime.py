@@ -20,6 +20,7 @@ import numpy as np
 
 from .budget import BudgetError, format_bytes
 from .cache import ExpertCache, check_shares, split_slots
+from .hub import ModelError
 from .interrupts import CRITICAL, install_handler
 from .plan import ExpertLayer, ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
@@ -587,6 +588,12 @@ class Runtime:
             layer["warm"] = int(self.warm[i])
             layer["pinned"] = self.layer_cache[i].pinned_in(i)
         return out
+
+    def __reduce__(self):
+        """`copy.deepcopy` and pickling of a model reach its runtime: its open files, threads
+        and slot pools cannot be copied."""
+        raise ModelError("a streamed model cannot be copied or pickled (it holds open files, "
+                         "I/O threads and slot pools): load it again instead")
 
     def close(self) -> None:
         """Finish the reads in flight and close the files; the model cannot stream after."""

@@ -120,8 +120,9 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
 
 
 def _refuse_saving(*args, **kwargs) -> None:
-    raise ModelError("a streamed model holds only its resident experts: save_pretrained would "
-                     "write the others as zeros; copy the checkpoint it was loaded from")
+    """`save_pretrained`, and the state dict of an experts module (`state_dict`, `torch.save`)."""
+    raise ModelError("a streamed model holds only its resident experts: saving it would write "
+                     "the others as zeros; copy the checkpoint it was loaded from")
 
 
 def _device(name: str | torch.device) -> torch.device:
@@ -673,7 +674,12 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     # the memory reads land in: `model.to(...)`, `.half()` and the like copy the experts out
     # of it, and the copies would never be read into
     where = [(name, param.data_ptr()) for name, param in _expert_params(module)]
+    # a gradient reaches the experts it was computed from only when no expert ever leaves
+    # its memory, and the module computes from it (not from a gathered copy)
+    trainable = runtime.holds_all and slots is None
+    module.register_state_dict_post_hook(_refuse_saving)
 
+    @torch.compiler.disable  # numpy bookkeeping and a lock, not a graph: it runs as is
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
         with runtime.lock:  # another thread's call of this layer may swap its experts (eager)
             for name, address in where:
@@ -696,12 +702,31 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                     picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
                 prefetch.after(layer, np.unique(picks.to("cpu").numpy()))
             if slots is None:
-                return forward(hidden_states, top_k_index, *args, **kwargs)
-            slots.ready()
-            return _on_slots(module, forward, hidden_states, ids, placed, top_k_index,
-                             *args, **kwargs)
+                out = forward(hidden_states, top_k_index, *args, **kwargs)
+            else:
+                slots.ready()
+                out = _on_slots(module, forward, hidden_states, ids, placed, top_k_index,
+                                *args, **kwargs)
+            return _NoBackward.apply(out, layer) if out.requires_grad and not trainable else out
 
     module.forward = streaming_forward
+
+
+class _NoBackward(torch.autograd.Function):
+    """The experts' output as it is, refusing a gradient: later calls evict the experts it
+    was computed from or read others over them (around autograd), and an optimizer step would
+    update experts that are read again from the checkpoint."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, layer: int) -> torch.Tensor:
+        ctx.layer = layer
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise ModelError(f"layer {ctx.layer}: no gradient flows through streamed experts (later "
+                         f"calls evict or overwrite the experts it would be computed from); to "
+                         f"train, load on the CPU with a budget that holds every expert")
 
 
 def _on_slots(module: torch.nn.Module, forward: Callable, hidden_states: torch.Tensor,

@@ -675,9 +675,57 @@ def test_saving_a_streamed_model_is_refused(hf_model, tmp_path):
     """Its experts that are not resident would be written as zeros: a checkpoint that loads
     and gives wrong tokens."""
     model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
-    with pytest.raises(ModelError, match="save_pretrained would write the others as zeros"):
+    with pytest.raises(ModelError, match="saving it would write the others as zeros"):
         model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+    with pytest.raises(ModelError, match="saving it would write the others as zeros"):
+        torch.save(model.state_dict(), tmp_path / "state.pt")
+    assert not (tmp_path / "state.pt").exists()
+
+
+def test_copying_a_streamed_model_is_refused_clearly(hf_model):
+    import copy
+
+    model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
+    with pytest.raises(ModelError, match="cannot be copied"):
+        copy.deepcopy(model)
+
+
+def test_a_gradient_through_streamed_experts_is_refused_and_one_holding_every_expert_is_exact(
+        hf_model):
+    """Below a full budget, later calls evict the experts a gradient would be computed from
+    (gradients came out wrong, silently); with every expert resident on the CPU it is stock's."""
+    path = hf_model("qwen3_moe")
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    stock.set_experts_implementation("eager")  # deterministic gradients
+    stock(PROMPT).logits.sum().backward()
+    for budget in ("25%", "100%"):
+        model, _ = moestream_torch.load(path, budget=budget, experts_implementation="eager")
+        loss = model(PROMPT).logits.sum()
+        if budget == "25%":
+            with pytest.raises(ModelError, match="no gradient flows through streamed experts"):
+                loss.backward()
+            continue
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == {n for n, p in stock.named_parameters() if p.grad is not None}
+        assert all(torch.equal(g, stock.get_parameter(n).grad) for n, g in grads.items())
+
+
+@pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
+                    reason="torch.compile's inductor needs a C compiler")
+def test_torch_compile_of_a_streamed_model_matches_stock_compiled(hf_model):
+    """Dynamo skips the streaming bookkeeping (numpy, a lock): inductor failed on the policy's
+    numpy at the second call."""
+    path = hf_model("qwen3_moe")
+    stock = torch.compile(transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32))
+    model, _ = moestream_torch.load(path, budget="25%")
+    model = torch.compile(model)
+    with torch.no_grad():
+        for seed in range(2):
+            ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(model(ids).logits, stock(ids).logits)
 
 
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
