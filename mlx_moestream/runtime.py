@@ -9,8 +9,10 @@ later call may reuse its slots (`holds_all` says when no slot is ever reused).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
@@ -113,6 +115,7 @@ class Runtime:
         self.call_experts = plan.num_experts if whole_calls else plan.top_k
         self.policy = policy
         self.recorder = None  # a trace.TraceRecorder while recording routing
+        self.io_threads = io_threads
         self.io = _started_pool(io_threads)
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
@@ -161,6 +164,7 @@ class Runtime:
         # every expert can have a slot of its own: none is ever reused, so the backend may
         # read all of them at load (`read_all`) and compute without waiting on the host
         self.holds_all = all(cache.holds_all for cache in self.caches)
+        _follow_forks(self)
 
     def enable_prefetch(self) -> None:
         """Read each next layer's predicted experts ahead (see `prefetch`). Not when every
@@ -589,6 +593,25 @@ class Runtime:
             layer["pinned"] = self.layer_cache[i].pinned_in(i)
         return out
 
+    def forked(self) -> None:
+        """In a child forked while the model was loaded (see `_follow_forks`), the lock held:
+        the I/O threads did not come along, so it starts its own (a read queued for them would
+        wait for ever), and the reads in flight at the fork, which never land here, leave
+        their slots."""
+        try:
+            if not self.closed:
+                self.io = _started_pool(self.io_threads)
+            pending = [(layer, expert) for layer, reads in self.unfinished for expert, _ in reads]
+            self.unfinished = []
+            if self.prefetch:
+                pending += [(layer, expert) for layer, expert, _ in self.prefetch.reads]
+                self.prefetch.reads = []
+                self.prefetch.prefetched.clear()
+            for layer, expert in pending:
+                self.forget(layer, expert)
+        finally:
+            self.lock.release()
+
     def __reduce__(self):
         """`copy.deepcopy` and pickling of a model reach its runtime: its open files, threads
         and slot pools cannot be copied."""
@@ -600,6 +623,25 @@ class Runtime:
         self.closed = True
         self.io.shutdown(wait=True)
         self.store.close()
+
+
+def _follow_forks(runtime: Runtime) -> None:
+    """Make a child forked while `runtime` lives (a server's preloaded workers, multiprocessing)
+    able to stream: the fork waits for a layer call in progress, so no decision is half made in
+    the child, which then gets its own I/O threads (`Runtime.forked`). Held weakly: the hooks
+    of a model dropped do nothing."""
+    ref = weakref.ref(runtime)
+
+    def hook(action: Callable[[Runtime], object]) -> Callable[[], None]:
+        def call() -> None:
+            live = ref()
+            if live is not None:
+                action(live)
+        return call
+
+    os.register_at_fork(before=hook(lambda r: r.lock.acquire()),
+                        after_in_parent=hook(lambda r: r.lock.release()),
+                        after_in_child=hook(Runtime.forked))
 
 
 def _started_pool(threads: int) -> ThreadPoolExecutor:

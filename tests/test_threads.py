@@ -113,3 +113,45 @@ def test_generation_goes_on_from_a_prompt_cache_another_thread_filled(tiny_model
         tokens[name] = [int(token) for token, _ in steps]
     assert tokens["streamed"] == tokens["stock"]
     assert mlx_moestream.stats(model)["tokens"] >= 40 + 5
+
+
+def test_a_child_forked_after_load_reads_experts_on_its_own_threads(tiny_model):
+    """A server's preloaded workers, multiprocessing's fork: the I/O threads do not come along
+    into the child, where a call reading several experts waited for ever on them."""
+    import os
+    import signal
+    import time
+
+    import numpy as np
+
+    from mlx_moestream.loader import load_lazy
+
+    path = tiny_model("qwen3_moe")
+    model, _ = mlx_moestream.load(path, budget=load_lazy(path)[-1].min_budget_bytes)
+    runtime = model.moestream
+    pool = runtime.layer_pool[0]
+    expected = []
+    for expert in (0, 1):
+        dest = {name: np.empty_like(view) for name, view in pool.slot(0).items()}
+        runtime.store.read_expert(runtime.store_layer[0], expert, dest)
+        expected.append(dest)
+    pid = os.fork()
+    if pid == 0:  # the child: its exit status is the test's result
+        code = 1
+        try:
+            slots = runtime.route(0, np.array([[0, 1]])).reshape(-1).tolist()  # two misses
+            got = [pool.slot(slot) for slot in slots]
+            code = 0 if all(np.array_equal(g[n], e[n]) for g, e in zip(got, expected)
+                            for n in e) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung reading its experts")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert all(mx.array_equal(a, b).item() for a, b in zip(
+        greedy_logits(model), greedy_logits(mlx_lm.load(str(path))[0])))  # the parent goes on
