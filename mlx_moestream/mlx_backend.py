@@ -105,9 +105,10 @@ class PooledExperts(nn.Module):
     the pools, outside the model's parameters (plain attributes, not children), where conversions
     of the model after load (`set_dtype`, `nn.quantize`) cannot reach them, though stock
     mlx-lm would convert them with the rest. Rather than compute with experts stock would not
-    have, a converted model is refused: `expert_dtype`, an empty parameter in the experts'
-    floating dtype, is converted exactly when they would be, and every call checks it;
-    quantizing experts that are not quantized yet is refused at once."""
+    have, a converted model is refused: `expert_dtype`, a parameter holding a 1 in the experts'
+    floating dtype, is converted (or changed, by `model.apply`, `update`) exactly when they
+    would be, and every call checks it; quantizing experts that are not quantized yet is
+    refused at once."""
 
     def __init__(self, inner: nn.Module, path: str):
         super().__init__()
@@ -116,8 +117,9 @@ class PooledExperts(nn.Module):
         floats = [a.dtype for _, a in tree_flatten(inner.parameters())
                   if mx.issubdtype(a.dtype, mx.floating)]
         dtype = floats[0] if floats else mx.uint8  # none: nothing a conversion converts
-        self.expert_dtype = mx.zeros((0,), dtype)
+        self.expert_dtype = mx.ones((1,), dtype)
         object.__setattr__(self, "stored_dtype", dtype)
+        object.__setattr__(self, "checked", self.expert_dtype)  # the marker found unchanged
 
     def start_routing(self, indices: mx.array) -> None:
         """Start computing a call's routed ids, which its host sync then waits for. MLX refuses
@@ -135,13 +137,22 @@ class PooledExperts(nn.Module):
                 f"with a budget that holds every expert") from None
 
     def check_unconverted(self) -> None:
-        if self.expert_dtype.dtype != self.stored_dtype:
-            converted = _dtype_name(self.expert_dtype.dtype)
+        marker = self.expert_dtype
+        if marker is self.checked:
+            return
+        if marker.dtype != self.stored_dtype:
+            converted = _dtype_name(marker.dtype)
             raise ModelError(
                 f"{self.path}: the model was converted to {converted} after load (set_dtype), "
                 f"which its experts cannot follow: they are read into the runtime's slots as "
                 f"stored ({_dtype_name(self.stored_dtype)}); convert the checkpoint instead "
                 f"(mlx_lm.convert --dtype {converted}) and load that")
+        if marker.item() != 1:
+            raise ModelError(
+                f"{self.path}: the model's weights were changed after load (model.apply, "
+                f"update), which cannot reach its experts: they are read into the runtime's "
+                f"slots as stored; change the checkpoint instead and load that")
+        object.__setattr__(self, "checked", marker)
 
     def to_quantized(self, **kwargs) -> nn.Module:
         """`nn.quantize` of the model: stock would quantize the experts unless they are."""
