@@ -594,23 +594,19 @@ class Runtime:
         return out
 
     def forked(self) -> None:
-        """In a child forked while the model was loaded (see `_follow_forks`), the lock held:
-        the I/O threads did not come along, so it starts its own (a read queued for them would
-        wait for ever), and the reads in flight at the fork, which never land here, leave
-        their slots."""
-        try:
-            if not self.closed:
-                self.io = _started_pool(self.io_threads)
-            pending = [(layer, expert) for layer, reads in self.unfinished for expert, _ in reads]
-            self.unfinished = []
-            if self.prefetch:
-                pending += [(layer, expert) for layer, expert, _ in self.prefetch.reads]
-                self.prefetch.reads = []
-                self.prefetch.prefetched.clear()
-            for layer, expert in pending:
-                self.forget(layer, expert)
-        finally:
-            self.lock.release()
+        """In a child forked while the model was loaded (see `_follow_forks`): the I/O threads
+        did not come along, so it starts its own (a read queued for them would wait for ever),
+        and the reads in flight at the fork, which never land here, leave their slots."""
+        if not self.closed:
+            self.io = _started_pool(self.io_threads)
+        pending = [(layer, expert) for layer, reads in self.unfinished for expert, _ in reads]
+        self.unfinished = []
+        if self.prefetch:
+            pending += [(layer, expert) for layer, expert, _ in self.prefetch.reads]
+            self.prefetch.reads = []
+            self.prefetch.prefetched.clear()
+        for layer, expert in pending:
+            self.forget(layer, expert)
 
     def __reduce__(self):
         """`copy.deepcopy` and pickling of a model reach its runtime: its open files, threads
@@ -639,9 +635,15 @@ def _follow_forks(runtime: Runtime) -> None:
                 action(live)
         return call
 
+    def in_child(live: Runtime) -> None:
+        try:
+            live.forked()
+        finally:
+            live.lock.release()
+
     os.register_at_fork(before=hook(lambda r: r.lock.acquire()),
                         after_in_parent=hook(lambda r: r.lock.release()),
-                        after_in_child=hook(Runtime.forked))
+                        after_in_child=hook(in_child))
 
 
 def _started_pool(threads: int) -> ThreadPoolExecutor:

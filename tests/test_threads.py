@@ -1,10 +1,17 @@
 """Two threads generating on one model each get stock mlx-lm's output, and so does later use."""
 
+import os
+import signal
 import threading
+import time
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_moestream.loader import load_lazy
 from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
 import mlx_moestream
@@ -92,9 +99,6 @@ def test_generation_goes_on_from_a_prompt_cache_another_thread_filled(tiny_model
     """Every expert resident: a thread that prefilled a prompt cache (evaluating only the cache,
     as generate_step does, so its last layer's routing is never computed) and ended leaves
     nothing that fails the next call or `stats()`."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-
     path = tiny_model("qwen3_moe")
     tokens = {}
     for name, model in (("stock", mlx_lm.load(str(path))[0]),
@@ -115,17 +119,9 @@ def test_generation_goes_on_from_a_prompt_cache_another_thread_filled(tiny_model
     assert mlx_moestream.stats(model)["tokens"] >= 40 + 5
 
 
-def test_a_child_forked_after_load_reads_experts_on_its_own_threads(tiny_model):
+def test_a_child_forked_after_load_reads_experts_on_its_own_threads(tiny_model, reference):
     """A server's preloaded workers, multiprocessing's fork: the I/O threads do not come along
     into the child, where a call reading several experts waited for ever on them."""
-    import os
-    import signal
-    import time
-
-    import numpy as np
-
-    from mlx_moestream.loader import load_lazy
-
     path = tiny_model("qwen3_moe")
     model, _ = mlx_moestream.load(path, budget=load_lazy(path)[-1].min_budget_bytes)
     runtime = model.moestream
@@ -153,5 +149,5 @@ def test_a_child_forked_after_load_reads_experts_on_its_own_threads(tiny_model):
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung reading its experts")
     assert os.waitstatus_to_exitcode(done[1]) == 0
-    assert all(mx.array_equal(a, b).item() for a, b in zip(
-        greedy_logits(model), greedy_logits(mlx_lm.load(str(path))[0])))  # the parent goes on
+    assert all(mx.array_equal(a, b).item()  # the parent goes on
+               for a, b in zip(greedy_logits(model), reference(path)))

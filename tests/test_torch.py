@@ -1,5 +1,6 @@
 """The torch backend streams transformers MoE models exactly: equal to `from_pretrained`'s."""
 
+import copy
 import json
 import re
 import shutil
@@ -684,8 +685,6 @@ def test_saving_a_streamed_model_is_refused(hf_model, tmp_path):
 
 
 def test_copying_a_streamed_model_is_refused_clearly(hf_model):
-    import copy
-
     model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
     with pytest.raises(ModelError, match="cannot be copied"):
         copy.deepcopy(model)
