@@ -81,6 +81,10 @@ class ExpertCache:
     `POLICIES` or a factory taking the capacity (replay passes a `Belady` that knows the future).
     `num_layers` counts every layer of the model (keys are global); `layers` are this pool's.
     The cache counts nothing: each call reports its hits, loads and evicted keys to the caller.
+
+    Policy updates that decide nothing for the call making them (its uses, a token's tick)
+    are held until the next decision or `catch_up`, in order: the runtime catches up while the
+    device computes the call, off the path from routing to compute.
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class ExpertCache:
             self.policy_of = {l: new_policy(n) for l, n in zip(layers, layer_slots)}
             self.limit = dict(zip(layers, layer_slots))
         self.policies = list({id(p): p for p in self.policy_of.values()}.values())
+        self.held: list[tuple[Callable, tuple]] = []  # policy updates not made yet, in order
         # every expert of these layers can have a slot of its own: no slot is ever reused
         self.holds_all = all(n >= num_experts for n in self.limit.values()) and (
             num_slots >= len(layers) * num_experts)
@@ -148,14 +153,20 @@ class ExpertCache:
         slots = [slot_by_key[key] for key in keys]
         if -1 not in slots:  # all resident: the hot path
             if keys:  # else every expert of the call is pinned: nothing for the policy
-                policy.access(keys)
+                self.held.append((policy.access, (keys,)))
             return [], pinned_hits + len(slots), []
         missing = [i for i, s in enumerate(slots) if s < 0]
         new = [keys[i] for i in missing]
         loads, evicted = self._place(layer, policy, [experts[i] for i in missing], new,
                                      set(keys))
-        policy.access(keys, new)
+        self.held.append((policy.access, (keys, new)))
         return loads, pinned_hits + len(slots) - len(missing), evicted
+
+    def catch_up(self) -> None:
+        """Make the policy updates held so far (see the class docstring)."""
+        held, self.held = self.held, []
+        for update, args in held:
+            update(*args)
 
     def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]
                  ) -> tuple[list[tuple[int, int]], list[int]]:
@@ -179,6 +190,8 @@ class ExpertCache:
         n = len(experts)
         if not n:
             return [], []
+        if self.held:
+            self.catch_up()
         free = min(n, len(self.free))
         if self.per_layer:
             free = max(0, min(free, self.limit[layer] - self.resident_in(layer)))
@@ -219,14 +232,14 @@ class ExpertCache:
         slot = int(self.slot_of[layer, expert])
         if slot < 0:
             return False
+        self.catch_up()
         self.policy_of[layer].remove(layer * self.num_experts + expert)
         self.slot_of[layer, expert] = -1
         self.free.append(slot)
         return True
 
     def tick(self, tokens: int) -> None:
-        for policy in self.policies:
-            policy.tick(tokens)
+        self.held += [(policy.tick, (tokens,)) for policy in self.policies]
 
     def admit(self, layer: int, expert: int) -> int | None:
         """Pre-warm: give an expert a free slot (never evicting); None when none is left."""
@@ -235,6 +248,7 @@ class ExpertCache:
             return None
         slot = self.free.pop()
         self.slot_of[layer, expert] = slot
+        self.catch_up()
         self.policy_of[layer].warm([int(self.key_of[layer, expert])])
         return slot
 
@@ -245,6 +259,7 @@ class ExpertCache:
             raise ValueError(f"layer {layer} cannot take a slot for each of its experts")
         slots = [self.free.pop() for _ in range(self.num_experts)]
         self.slot_of[layer] = slots
+        self.catch_up()
         self.policy_of[layer].warm(self.key_of[layer].tolist())
         return slots
 
@@ -287,6 +302,7 @@ class ExpertCache:
         if self.slot_of[layer, expert] < 0:
             raise ValueError(f"layer {layer} expert {expert} is not resident: cannot pin it")
         if not self.pinned[key]:
+            self.catch_up()
             self.policy_of[layer].remove(key)
             self.pinned[key] = True
             self.pinned_count[layer] += 1
@@ -294,6 +310,7 @@ class ExpertCache:
 
     def seed(self, counts: dict[int, float]) -> None:
         """Start the policies' frequency state from a saved activation profile `{key: count}`."""
+        self.catch_up()
         for policy in self.policies:
             policy.seed(counts)
 

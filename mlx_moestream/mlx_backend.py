@@ -205,6 +205,7 @@ class StreamingExperts(PooledExperts):
                     return self._in_rounds(x, ids)
                 y = self._in_chunks(x, ids, chunks)
             self.in_flight.add(y)
+            runtime.tally()  # while the device computes
             return y
 
     def _in_rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:

@@ -123,6 +123,8 @@ class Runtime:
         self.closed = False  # see `close`
         # a backend that counts routing after the fact (all experts resident) flushes it here
         self.count_deferred: Callable[[], None] = lambda: None
+        # the statistics of calls routed since the latest `tally`, in order
+        self.held: list[tuple[Callable, tuple]] = []
         # a backend whose compute may still read slots when a call returns waits for it here
         # before a call decides anything (pre-warm reads only free slots: no wait)
         self.settle: Callable[[], None] = lambda: None
@@ -245,10 +247,12 @@ class Runtime:
         when the call must be computed by `rounds` or computes nothing."""
         if self.closed and compute:
             raise _closed()
+        if self.held:  # the backend did not tally the previous call
+            self.tally()
         self._finish_reads(layer)
         if layer == 0:
             tokens = ids.size // ids.shape[-1]
-            self.stats.tick(tokens)
+            self.held.append((self.stats.tick, (tokens,)))
             for cache in self.caches:
                 cache.tick(tokens)
         if self.recorder is not None:
@@ -257,7 +261,7 @@ class Runtime:
         routed, ids = self._unmasked(layer, ids)
         if not routed and not compute:
             return None
-        self.stats.route(layer, routed)
+        self.held.append((self.stats.route, (layer, routed)))
         experts = sorted(set(routed)) if routed else [0]  # expert 0 where every id is masked
         if self.prefetch:
             self.prefetch.score(layer, experts)
@@ -320,10 +324,28 @@ class Runtime:
         """The cache's decision for a call's distinct `experts`, counted, its victims released:
         returns the (expert, slot) reads it needs."""
         loads, hits, evicted = self.layer_cache[layer].request(layer, experts)
-        self.stats.count_request(layer, hits, len(loads))
+        self.held.append((self.stats.count_request, (layer, hits, len(loads))))
         if evicted:
-            self.evicted(evicted)
+            self.held.append((self.stats.count_evictions, (evicted,)))
+            self._release(evicted)
         return loads
+
+    def tally(self) -> None:
+        """Count the calls routed since the latest tally and make the policy updates they
+        held back. Nothing the calls compute depends on these, so a backend tallies once a
+        call's compute is issued, while the device works; the next call tallies otherwise."""
+        with CRITICAL:  # all or none: a policy must learn of every key that became resident
+            for cache in self.caches:
+                cache.catch_up()
+            held, self.held = self.held, []
+            for count, args in held:
+                count(*args)
+
+    def count_all(self) -> None:
+        """Count everything routed so far (before statistics or a profile are read)."""
+        with self.lock:
+            self.count_deferred()
+            self.tally()
 
     def evicted(self, keys: list[int]) -> None:
         """Count the cache's victims (`layer * num_experts + expert`) and release them."""
@@ -511,7 +533,7 @@ class Runtime:
         if self.closed:
             raise _closed()
         with self.lock:  # as a layer call: another thread's is never in between
-            self.count_deferred()
+            self.count_all()
             picks, pins = [], []
             for cache in self.caches:
                 hot, pinned = cache.prewarm_plan(profile, share, pin_share, self.call_experts)
@@ -556,7 +578,7 @@ class Runtime:
 
     def profile(self, workload: str) -> Profile:
         """This session's routing so far, to pre-warm later sessions of the same workload."""
-        self.count_deferred()
+        self.count_all()
         return Profile.of(self.stats, workload, self.plan.identity)
 
     def _prewarm_effect(self, hits: int, misses: int) -> dict:
@@ -575,7 +597,7 @@ class Runtime:
                 pass  # that needs it reads it again and reports the error
             finally:  # waiting here is not the forward pass stalling
                 self.stats.stall_seconds[:] = stalled
-            self.count_deferred()
+            self.count_all()
             out = self.stats.as_dict()
         out.update(
             budget_bytes=self.budget_bytes,

@@ -41,14 +41,14 @@ def save_profile(model: Any, name: str | Path, workload: str | None = None) -> P
 def start_trace(model: Any) -> None:
     """Record the routing of every following forward call (see `save_trace`)."""
     runtime = _single_host(model, "record a trace")
-    runtime.count_deferred()
+    runtime.count_all()
     runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
 
 
 def save_trace(model: Any, path: str | Path) -> Trace:
     """Write the routing recorded since `start_trace` as a .npz trace (atomically)."""
     runtime = runtime_of(model)
-    runtime.count_deferred()
+    runtime.count_all()
     recorder = runtime.recorder
     if recorder is None:
         raise ValueError("no trace is being recorded: call start_trace(model) first")

@@ -707,6 +707,7 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                 slots.ready()
                 out = _on_slots(module, forward, hidden_states, ids, placed, top_k_index,
                                 *args, **kwargs)
+            runtime.tally()  # while the device computes (CUDA runs it asynchronously)
             return _NoBackward.apply(out, layer) if out.requires_grad and not trainable else out
 
     module.forward = streaming_forward

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_moestream.testing import greedy_logits
+from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
 import mlx_moestream
 
@@ -275,3 +275,28 @@ def test_statistics_right_after_an_interrupt_count_the_reads_it_left_running(tin
     stats = mlx_moestream.stats(model)
     resident = sum(cache.resident for cache in runtime.caches)
     assert fired and stats["loads"] - stats["evictions"] == resident > 0
+
+
+def test_a_call_failing_after_its_experts_are_resident_is_counted_and_the_next_are_exact(
+        tiny_model, reference, monkeypatch):
+    """A call's statistics and policy updates are made once its compute is issued (`tally`):
+    a call failing in between (an interrupt, a backend error) must still count its routing,
+    and the policy learn of the experts it made resident."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    runtime = model.moestream
+    in_flight, calls = runtime.settle.__self__, itertools.count()
+    original = in_flight.add
+
+    def failing_at_layer_1(y):
+        if next(calls) == 1:
+            raise RuntimeError("the device failed")
+        original(y)
+
+    monkeypatch.setattr(in_flight, "add", failing_at_layer_1)
+    with pytest.raises(RuntimeError, match="the device failed"):
+        mx.eval(model(mx.array(PROMPT_IDS)[:, :1]))
+    monkeypatch.undo()
+    layer_1 = mlx_moestream.stats(model)["layers"][1]
+    assert layer_1["misses"] == layer_1["loads"] > 0
+    assert _equals_stock(model, reference(path))
