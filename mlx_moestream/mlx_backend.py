@@ -198,7 +198,7 @@ class StreamingExperts(PooledExperts):
                     return self._in_rounds(x, ids)
                 if predicted is not None:  # read while this call computes
                     prefetch.after(self.layer, predicted)
-                y = self.inner(x, mx.array(slots))
+                y = self.inner(x, _slot_ids(slots))
             else:  # several tokens: compute while the misses are read
                 chunks = runtime.route_chunks(self.layer, ids)
                 if chunks is None:
@@ -222,7 +222,7 @@ class StreamingExperts(PooledExperts):
         outs = []
         for pos, slots in chunks:
             if pos is None:  # the whole call at once
-                return self.inner(x, mx.array(slots))
+                return self.inner(x, _slot_ids(slots))
             outs.append((pos, self._rows(x, ids, pos, slots)))
             mx.async_eval(outs[-1][1])
         return _gathered(outs, ids.shape)
@@ -230,7 +230,13 @@ class StreamingExperts(PooledExperts):
     def _rows(self, x: mx.array, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> mx.array:
         """The outputs of the flat (token, k) positions `pos`, whose experts are in `slots`."""
         rows = x.reshape(-1, x.shape[-1])[mx.array(pos // ids.shape[-1])]
-        return self.inner(rows, mx.array(slots[:, None]))[:, 0]
+        return self.inner(rows, _slot_ids(slots[:, None]))[:, 0]
+
+
+def _slot_ids(slots: np.ndarray) -> mx.array:
+    """Slots (all resident) as the experts module's ids: uint32, as stock's routed ids are
+    (`gather_qmm` converts any other dtype: a node more per expert matmul in every call)."""
+    return mx.array(slots, mx.uint32)
 
 
 def _gathered(outs: list[tuple[np.ndarray, mx.array]], shape: tuple[int, ...]) -> mx.array:
@@ -408,7 +414,7 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
         parent = _get_path(model, parent_path)
         if runtime.holds_all:
             row = runtime.slot_map(i)
-            slot_map = mx.array(np.append(row, row[0]))  # masked ids: expert 0's slot
+            slot_map = _slot_ids(np.append(row, row[0]))  # masked ids: expert 0's slot
             experts = ResidentExperts(module, i, slot_map, deferred)
         else:
             experts = StreamingExperts(module, i, runtime, in_flight)

@@ -1,5 +1,7 @@
 """The streaming forward pass is exact: logits equal stock mlx-lm's bit for bit."""
 
+import io
+import re
 import threading
 
 import mlx.core as mx
@@ -423,6 +425,25 @@ def test_a_streamed_layer_syncs_once_per_call_for_its_ids(tiny_model):
     stats = model.moestream.stats
     assert stats.syncs == 33 * len(model.moestream.plan.layers)  # its output is not waited for
 
+
+
+@pytest.mark.parametrize("budget", ["50%", "100%"])
+def test_a_streamed_layer_call_converts_nothing_stock_does_not(tiny_model, budget, monkeypatch):
+    """Slots go into the experts' matmuls as stock's uint32 ids: any other dtype costs a
+    conversion before each of them, in every call."""
+    path = tiny_model("qwen3_moe", bits=4)
+    models = [mlx_lm.load(str(path))[0], mlx_moestream.load(path, budget=budget)[0]]
+    in_flight = models[1].moestream.settle.__self__
+    monkeypatch.setattr(in_flight, "add", lambda y: None)  # its graph left to export
+    x = mx.zeros((1, 1, models[0].args.hidden_size))
+    ids = mx.array([[[1, 3]]], mx.uint32)
+    graphs = []
+    for model in models:
+        dot = io.StringIO()
+        mx.export_to_dot(dot, model.layers[0].mlp.switch_mlp(x, ids))
+        graphs.append(sorted(re.findall(r'label ?= ?"?([A-Za-z]+)', dot.getvalue())))
+    assert graphs[1].count("GatherQMM") == graphs[0].count("GatherQMM") == 3
+    assert graphs[1].count("AsType") == graphs[0].count("AsType")
 
 def test_prefetch_predicts_nothing_when_every_expert_has_a_slot(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%", prefetch=True)
