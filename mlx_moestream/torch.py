@@ -678,6 +678,9 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     # its memory, and the module computes from it (not from a gathered copy)
     trainable = runtime.holds_all and slots is None
     module.register_state_dict_post_hook(_refuse_saving)
+    # set before `forward`, a local function pickle cannot name: pickling the model (`torch.save
+    # (model)`) reaches the runtime first, which refuses clearly (`Runtime.__reduce__`)
+    module.moestream = runtime
 
     @torch.compiler.disable  # numpy bookkeeping and a lock, not a graph: it runs as is
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):

@@ -1,7 +1,9 @@
 """The torch backend streams transformers MoE models exactly: equal to `from_pretrained`'s."""
 
 import copy
+import io
 import json
+import pickle
 import re
 import shutil
 import subprocess
@@ -684,10 +686,12 @@ def test_saving_a_streamed_model_is_refused(hf_model, tmp_path):
     assert not (tmp_path / "state.pt").exists()
 
 
-def test_copying_a_streamed_model_is_refused_clearly(hf_model):
+@pytest.mark.parametrize("copy_", [copy.deepcopy, pickle.dumps,
+                                   lambda model: torch.save(model, io.BytesIO())])
+def test_copying_or_pickling_a_streamed_model_is_refused_clearly(hf_model, copy_):
     model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
-    with pytest.raises(ModelError, match="cannot be copied"):
-        copy.deepcopy(model)
+    with pytest.raises(ModelError, match="cannot be copied or pickled"):
+        copy_(model)
 
 
 def test_a_gradient_through_streamed_experts_below_a_full_budget_is_refused(hf_model):
