@@ -34,7 +34,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .hub import ModelError
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
-from .runtime import Runtime, SlotPool
+from .runtime import Runtime, SlotPool, not_copyable
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
 
@@ -120,6 +120,11 @@ class PooledExperts(nn.Module):
         self.expert_dtype = mx.ones((1,), dtype)
         object.__setattr__(self, "stored_dtype", dtype)
         object.__setattr__(self, "checked", self.expert_dtype)  # the marker found unchanged
+
+    def __reduce__(self):
+        """Pickling the model reaches its experts modules before the runtime: they refuse as
+        it does (their experts are in its slot pools)."""
+        raise not_copyable()
 
     def start_routing(self, indices: mx.array) -> None:
         """Start computing a call's routed ids, which its host sync then waits for. MLX refuses

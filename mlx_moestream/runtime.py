@@ -633,8 +633,7 @@ class Runtime:
     def __reduce__(self):
         """`copy.deepcopy` and pickling of a model reach its runtime: its open files, threads
         and slot pools cannot be copied."""
-        raise ModelError("a streamed model cannot be copied or pickled (it holds open files, "
-                         "I/O threads and slot pools): load it again instead")
+        raise not_copyable()
 
     def close(self) -> None:
         """Finish the reads in flight and close the files; the model cannot stream after."""
@@ -686,6 +685,11 @@ def _started_pool(threads: int) -> ThreadPoolExecutor:
                                ) from None
         raise
     return pool
+
+
+def not_copyable() -> ModelError:
+    return ModelError("a streamed model cannot be copied or pickled (it holds open files, "
+                      "I/O threads and slot pools): load it again instead")
 
 
 def _closed() -> RuntimeError:

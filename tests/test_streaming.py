@@ -1,6 +1,8 @@
 """The streaming forward pass is exact: logits equal stock mlx-lm's bit for bit."""
 
+import copy
 import io
+import pickle
 import re
 import threading
 
@@ -444,6 +446,15 @@ def test_a_streamed_layer_call_converts_nothing_stock_does_not(tiny_model, budge
         graphs.append(sorted(re.findall(r'label ?= ?"?([A-Za-z]+)', dot.getvalue())))
     assert graphs[1].count("GatherQMM") == graphs[0].count("GatherQMM") == 3
     assert graphs[1].count("AsType") == graphs[0].count("AsType")
+
+
+@pytest.mark.parametrize("budget", ["50%", "100%"])
+@pytest.mark.parametrize("copy_", [copy.deepcopy, pickle.dumps])
+def test_copying_or_pickling_a_streamed_model_is_refused_clearly(tiny_model, budget, copy_):
+    """Stock's model pickles; ours failed on an mx.Dtype its experts modules hold."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget=budget)
+    with pytest.raises(ModelError, match="cannot be copied or pickled"):
+        copy_(model)
 
 def test_prefetch_predicts_nothing_when_every_expert_has_a_slot(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%", prefetch=True)
