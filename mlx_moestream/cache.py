@@ -163,10 +163,13 @@ class ExpertCache:
         return loads, pinned_hits + len(slots) - len(missing), evicted
 
     def catch_up(self) -> None:
-        """Make the policy updates held so far (see the class docstring)."""
-        held, self.held = self.held, []
-        for update, args in held:
+        """Make the policy updates held so far (see the class docstring), each leaving the list
+        once made: an error in one leaves the rest held."""
+        held = self.held
+        while held:
+            update, args = held[0]
             update(*args)
+            del held[0]
 
     def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]
                  ) -> tuple[list[tuple[int, int]], list[int]]:
@@ -239,6 +242,8 @@ class ExpertCache:
         return True
 
     def tick(self, tokens: int) -> None:
+        if self.held:  # at most one token's updates are held, whoever calls (replay: no one)
+            self.catch_up()
         self.held += [(policy.tick, (tokens,)) for policy in self.policies]
 
     def admit(self, layer: int, expert: int) -> int | None:

@@ -334,12 +334,14 @@ class Runtime:
         """Count the calls routed since the latest tally and make the policy updates they
         held back. Nothing the calls compute depends on these, so a backend tallies once a
         call's compute is issued, while the device works; the next call tallies otherwise."""
-        with CRITICAL:  # all or none: a policy must learn of every key that became resident
+        with CRITICAL:  # a policy must learn of every key that became resident
             for cache in self.caches:
                 cache.catch_up()
-            held, self.held = self.held, []
-            for count, args in held:
+            held = self.held
+            while held:
+                count, args = held[0]
                 count(*args)
+                del held[0]
 
     def count_all(self) -> None:
         """Count everything routed so far (before statistics or a profile are read)."""
@@ -354,9 +356,11 @@ class Runtime:
 
     def forget(self, layer: int, expert: int) -> None:
         """An expert whose read failed or was cut short leaves its slot, so it is never read as
-        valid (again: nothing, if it left already)."""
-        if self.layer_cache[layer].discard(layer, expert):
-            self._release([layer * self.plan.num_experts + expert])
+        valid (again: nothing, if it left already). A step of its own: the policy updates
+        held before it are made first, and an interrupt must not cut them short."""
+        with CRITICAL:
+            if self.layer_cache[layer].discard(layer, expert):
+                self._release([layer * self.plan.num_experts + expert])
 
     def _release(self, keys: list[int]) -> None:
         """Tell the pools that want to know that keys left their slots."""

@@ -692,15 +692,16 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                         "load (model.to, .half, ...), which streaming cannot follow: the experts "
                         "are read in the checkpoint's dtype to the device they were loaded on")
             ids = top_k_index.detach().to("cpu").numpy()
+            prefetch = runtime.prefetch  # predicting is decided before `route`, as in MLX
+            predict = (prefetch and next_router is not None and ids.size == ids.shape[-1]
+                       and hidden_states.shape[-1] == next_router[1]  # a latent MoE's take less
+                       and prefetch.wanted(layer))
             placed = runtime.route(layer, ids)
             if placed is None:
                 raise BudgetError(
                     f"layer {layer}: a call routes to more experts than the budget holds at "
                     f"once ({runtime.capacity(layer)} of {num_experts}); raise the budget")
-            prefetch = runtime.prefetch
-            if (prefetch and next_router is not None and ids.size == ids.shape[-1]
-                    and hidden_states.shape[-1] == next_router[1]  # a latent MoE's take less
-                    and prefetch.wanted(layer)):
+            if predict:
                 with torch.no_grad():
                     picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
                 prefetch.after(layer, np.unique(picks.to("cpu").numpy()))

@@ -169,6 +169,7 @@ def snapshot(model: nn.Module) -> dict | None:
     runtime = getattr(model, "moestream", None)
     if runtime is None:
         return None
+    runtime.count_all()  # what the latest calls hold back, and routing counted later
     s = runtime.stats
     out = {name: float(getattr(s, name).sum()) for name in COUNTERS}
     out["syncs"] = s.syncs

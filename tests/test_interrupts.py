@@ -300,3 +300,28 @@ def test_a_call_failing_after_its_experts_are_resident_is_counted_and_the_next_a
     layer_1 = mlx_moestream.stats(model)["layers"][1]
     assert layer_1["misses"] == layer_1["loads"] > 0
     assert _equals_stock(model, reference(path))
+
+
+def test_an_interrupt_inside_the_policy_updates_a_failed_read_makes_lands_after_them(
+        tiny_model, reference):
+    """Forgetting an expert whose read failed first makes the policy updates held since the
+    latest call (its uses): SIGINT there lands once the expert has left its slot."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    runtime = model.moestream
+    policy = runtime.caches[0].policies[0]
+    original, armed = policy.access, []
+
+    def interrupting(*args):
+        if armed:
+            signal.raise_signal(signal.SIGINT)
+        return original(*args)
+
+    policy.access = interrupting
+    runtime.route(0, np.array([[[0, 1]]]))  # its uses held
+    armed.append(True)
+    with _sigint_handler(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
+        runtime.forget(0, 1)
+    del policy.access
+    assert runtime.slot_map(0)[1] < 0 and not runtime.caches[0].held
+    assert _equals_stock(model, reference(path))

@@ -133,6 +133,16 @@ def test_when_all_experts_fit_every_policy_has_only_compulsory_misses(name, per_
     assert result["hit_rate"] == result["lru_hit_rate"] == result["belady_hit_rate"]
 
 
+def test_a_cache_whose_calls_all_hit_holds_at_most_one_tokens_policy_updates():
+    """Uses are held until the next decision (see ExpertCache): replay, which never tallies,
+    must not pile up a whole trace of them when nothing misses."""
+    cache = _cache(8, layers=2, num_experts=4, policy="cyclic")
+    for _ in range(100):
+        cache.tick(1)
+        for layer in (0, 1):
+            _request(cache, layer, [0, 1, 2, 3])
+    assert len(cache.held) <= 3  # the latest token's tick and its two calls
+
 @pytest.mark.parametrize("name", ONLINE)
 def test_victim_is_never_an_expert_of_the_current_call(name):
     cache = _cache(3, policy=name)
