@@ -67,6 +67,15 @@ def split_slots(
     return slots.tolist()
 
 
+def make_held(held: list[tuple[Callable, tuple]]) -> None:
+    """Make the calls `held` back (`(function, args)`) in order, each leaving the list once
+    made: an error in one leaves the rest held."""
+    while held:
+        function, args = held[0]
+        function(*args)
+        del held[0]
+
+
 def check_shares(share: float, pin_share: float) -> None:
     if not (0.0 <= share <= 1.0 and 0.0 <= pin_share <= 1.0):
         raise ValueError(f"pre-warm and pin shares must be in [0, 1] of the budget, got "
@@ -163,13 +172,8 @@ class ExpertCache:
         return loads, pinned_hits + len(slots) - len(missing), evicted
 
     def catch_up(self) -> None:
-        """Make the policy updates held so far (see the class docstring), each leaving the list
-        once made: an error in one leaves the rest held."""
-        held = self.held
-        while held:
-            update, args = held[0]
-            update(*args)
-            del held[0]
+        """Make the policy updates held so far (see the class docstring)."""
+        make_held(self.held)
 
     def prefetch(self, layer: int, experts: np.ndarray, protected: set[int]
                  ) -> tuple[list[tuple[int, int]], list[int]]:

@@ -2,9 +2,10 @@
 
 A backend (`mlx_backend`, ...) builds the `ModelPlan`, makes each group of layers with one
 expert shape a `SlotPool` (host views of the memory its compute reads experts from), and calls
-`route` from each expert layer with the routed ids; everything else happens here, the same for
-every backend. Slots are filled in place, so the backend must finish computing a call before a
-later call may reuse its slots (`holds_all` says when no slot is ever reused).
+`route` from each expert layer with the routed ids, then `tally` once the call's compute is
+issued; everything else happens here, the same for every backend. Slots are filled in place,
+so the backend must finish computing a call before a later call may reuse its slots
+(`holds_all` says when no slot is ever reused).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .budget import BudgetError, format_bytes
-from .cache import ExpertCache, check_shares, split_slots
+from .cache import ExpertCache, check_shares, make_held, split_slots
 from .hub import ModelError
 from .interrupts import CRITICAL, install_handler
 from .plan import ExpertLayer, ModelPlan
@@ -337,11 +338,7 @@ class Runtime:
         with CRITICAL:  # a policy must learn of every key that became resident
             for cache in self.caches:
                 cache.catch_up()
-            held = self.held
-            while held:
-                count, args = held[0]
-                count(*args)
-                del held[0]
+            make_held(self.held)
 
     def count_all(self) -> None:
         """Count everything routed so far (before statistics or a profile are read)."""
