@@ -327,8 +327,7 @@ class Runtime:
         loads, hits, evicted = self.layer_cache[layer].request(layer, experts)
         self.held.append((self.stats.count_request, (layer, hits, len(loads))))
         if evicted:
-            self.held.append((self.stats.count_evictions, (evicted,)))
-            self._release(evicted)
+            self.evicted(evicted)
         return loads
 
     def tally(self) -> None:
@@ -347,8 +346,9 @@ class Runtime:
             self.tally()
 
     def evicted(self, keys: list[int]) -> None:
-        """Count the cache's victims (`layer * num_experts + expert`) and release them."""
-        self.stats.count_evictions(keys)
+        """Release the cache's victims (`layer * num_experts + expert`); their count is held
+        until the call's tally."""
+        self.held.append((self.stats.count_evictions, (keys,)))
         self._release(keys)
 
     def forget(self, layer: int, expert: int) -> None:
