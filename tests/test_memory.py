@@ -74,6 +74,7 @@ def test_expert_reads_leave_the_page_cache(tiny_model):
     model, _ = mlx_moestream.load(path, budget="25%")
     shard = path / "model.safetensors"
     fd = os.open(shard, os.O_RDONLY)  # what loading the dense weights left cached
+    os.fsync(fd)  # the fixture just wrote it: the kernel drops no page not yet written back
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
     if _cached_bytes(shard):
