@@ -94,8 +94,8 @@ class Prefetch:
                 except BaseException as e:
                     if not read.done():
                         raise
+                    runtime.forget(owner, expert)  # then off the list: forgetting twice is safe
                     reads.pop(0)
-                    runtime.forget(owner, expert)
                     self.prefetched.get(owner, set()).discard(expert)
                     if not isinstance(e, StoreError):
                         raise

@@ -592,8 +592,9 @@ class Runtime:
     def stats_dict(self) -> dict:
         with self.lock:  # as a layer call would: the reads a call cut short left running first,
             stalled = self.stats.stall_seconds.copy()  # so that every resident expert has its
-            try:  # load counted
-                self._finish_reads(0)
+            try:  # load counted, each read's end counted or forgotten whole
+                with CRITICAL:
+                    self._finish_reads(0)
             except StoreError:  # counted in read_errors, the expert forgotten: the next call
                 pass  # that needs it reads it again and reports the error
             finally:  # waiting here is not the forward pass stalling

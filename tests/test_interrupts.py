@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_moestream.store import StoreError
 from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
 import mlx_moestream
@@ -324,4 +325,43 @@ def test_an_interrupt_inside_the_policy_updates_a_failed_read_makes_lands_after_
         runtime.forget(0, 1)
     del policy.access
     assert runtime.slot_map(0)[1] < 0 and not runtime.caches[0].held
+    assert _equals_stock(model, reference(path))
+
+
+class _InterruptedAfterPop(list):
+    """A list of reads in flight whose every `pop` is followed by Ctrl-C."""
+
+    def pop(self, index=-1):
+        item = super().pop(index)
+        signal.raise_signal(signal.SIGINT)
+        return item
+
+
+def test_an_interrupt_while_statistics_finish_a_failed_prefetch_read_leaves_no_stale_slot(
+        tiny_model, reference, monkeypatch):
+    """`stats()` finishes the prefetch reads in flight: Ctrl-C as it takes a failed one off
+    its list lands once the expert has left its slot."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="75%", prefetch=True)
+    runtime, expert = model.moestream, 1
+    greedy_logits(model, decode_tokens=1)
+    runtime.forget(1, expert)
+    original = runtime.store.read_expert
+
+    def failing(layer, e, dest):
+        original(layer, e, dest)
+        for buffer in dest.values():  # part of the slot written, then the error
+            buffer.reshape(-1).view(np.uint8)[:64] ^= 0xFF
+        raise StoreError("injected read error")
+
+    monkeypatch.setattr(runtime.store, "read_expert", failing)
+    runtime.prefetch.reading = set()
+    runtime.prefetch.after(0, np.array([expert]))  # layer 1's read, as layer 0's call starts it
+    for _, _, read in runtime.prefetch.reads:
+        read.exception()  # it has failed
+    monkeypatch.undo()
+    runtime.prefetch.reads = _InterruptedAfterPop(runtime.prefetch.reads)
+    with _sigint_handler(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
+        mlx_moestream.stats(model)
+    assert runtime.slot_map(1)[expert] < 0
     assert _equals_stock(model, reference(path))
