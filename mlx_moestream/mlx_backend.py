@@ -33,6 +33,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .hub import ModelError
+from .interrupts import CRITICAL
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
 from .runtime import Runtime, SlotPool, not_copyable
 
@@ -312,7 +313,7 @@ class DeferredRouting:
         that layer), or a trace of `mx.compile`."""
         runtime = self.runtime
         layers, me = runtime.plan.num_layers, threading.current_thread()
-        with runtime.lock:
+        with runtime.lock, CRITICAL:  # the calls taken off the lists are counted, every one
             threads = list(self.calls)  # one step: other threads may add theirs meanwhile
             for thread in [t for t in threads if t is me or not t.is_alive()]:
                 calls = self.calls.pop(thread)

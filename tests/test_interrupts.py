@@ -365,3 +365,31 @@ def test_an_interrupt_while_statistics_finish_a_failed_prefetch_read_leaves_no_s
         mlx_moestream.stats(model)
     assert runtime.slot_map(1)[expert] < 0
     assert _equals_stock(model, reference(path))
+
+
+def test_an_interrupt_while_deferred_routing_is_counted_loses_none_of_it(tiny_model,
+                                                                         monkeypatch):
+    """With every expert resident, routing is counted later, several calls at once (here by
+    `stats()`): Ctrl-C while one is counted lands once all those taken are."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%")
+    runtime = model.moestream
+    deferred, routed, armed = runtime.count_deferred.__self__, [0], []
+    add, admit = deferred.add, runtime._admit
+
+    def adding(layer, indices):
+        routed[0] += indices.size
+        add(layer, indices)
+
+    def interrupting(*args):
+        if armed and armed.pop():
+            signal.raise_signal(signal.SIGINT)
+        return admit(*args)
+
+    monkeypatch.setattr(deferred, "add", adding)
+    monkeypatch.setattr(runtime, "_admit", interrupting)
+    greedy_logits(model, decode_tokens=4)
+    armed += [True, False]  # at the second call counted
+    with _sigint_handler(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
+        mlx_moestream.stats(model)
+    monkeypatch.undo()
+    assert mlx_moestream.profile(model, "counted").counts.sum() == routed[0]
