@@ -144,9 +144,13 @@ class TraceRecorder:
         self.calls: list[list[tuple[np.ndarray, np.ndarray | None]]] = []
 
     def record(self, layer: int, ids: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """A forward call whose layer 0 was not recorded (recording started during it, from
+        another thread) is left out, not an error raised inside the model's call."""
         if layer == 0:
             self.calls.append([])
-        expected = len(self.calls[-1]) if self.calls else 0
+        elif not self.calls or len(self.calls[-1]) == self.num_layers:
+            return
+        expected = len(self.calls[-1])
         if layer != expected or layer >= self.num_layers:
             raise ValueError(f"layer {layer} recorded out of order: expected layer {expected}")
         self.calls[-1].append((np.array(ids), None if weights is None else np.array(weights)))

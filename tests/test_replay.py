@@ -315,6 +315,13 @@ def test_recorder_rejects_layers_out_of_order():
         recorder.record(2, np.array([[1]]))
 
 
+def test_recorder_started_during_a_forward_call_leaves_that_call_out():
+    recorder = TraceRecorder(num_layers=2, num_experts=4)
+    for layer in (1, 0, 1):
+        recorder.record(layer, np.array([[layer + 2]]))
+    np.testing.assert_array_equal(recorder.to_trace().experts, [[[2], [3]]])
+
+
 def test_recorder_drops_an_unfinished_last_call():
     recorder = TraceRecorder(num_layers=2, num_experts=4)
     for layer in (0, 1, 0):
