@@ -110,8 +110,10 @@ class Profile:
     def check_model(self, model: dict, source: str = "profile", target: str = "this model"
                     ) -> None:
         """Refuse a profile recorded on another model, saying which, or whose counts do not
-        have the model's shape (one row per MoE layer, one count per expert)."""
-        if self.model.get("fingerprint") != model["fingerprint"]:
+        have the model's shape (one row per MoE layer, one count per expert). A profile
+        without a fingerprint (from another tool) matches no model."""
+        fingerprint = self.model.get("fingerprint")
+        if fingerprint is None or fingerprint != model.get("fingerprint"):
             raise ProfileError(
                 f"{source} {self.named} was recorded on {describe(self.model)} "
                 f"but {target} is {describe(model)}"

@@ -496,6 +496,19 @@ def test_merging_profiles_of_two_models_names_both(tiny_model, tmp_path):
     assert "but the first profile's model is qwen3_moe" in out.stderr
 
 
+@pytest.mark.parametrize("without", ["first", "second"])
+def test_merging_a_profile_without_a_model_fingerprint_is_refused_clearly(tmp_path, without):
+    for name in ("first", "second"):
+        profile = Profile.load(find("italian-chat"))
+        if name == without:
+            del profile.model["fingerprint"]
+        profile.save(tmp_path / f"{name}.json")
+    out = _cli("profile", "merge", tmp_path / "first.json", tmp_path / "second.json", "-o",
+               tmp_path / "both.json", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "fingerprint None" in out.stderr and not (tmp_path / "both.json").exists()
+
+
 def test_replay_plot_without_sweep_is_a_usage_error(tmp_path):
     from mlx_moestream.trace import synthetic_trace
 
