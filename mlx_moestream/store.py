@@ -224,16 +224,17 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def source_digest(files: list[Path]) -> list[dict]:
-    """Name, size, modification time and header hash of each shard: what a repacked copy must
-    still match. A shard rewritten in place after the repack has a new modification time."""
+    """Name, `_identity` and header hash of each shard: what a repacked copy must still match.
+    A shard rewritten in place after the repack has a new status change time, whatever its
+    modification time says."""
     out = []
     for path in files:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = f.read(n)
-        stat = path.stat()
-        out.append({"file": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                    "header_sha256": hashlib.sha256(header).hexdigest()})
+        size, mtime_ns, ctime_ns = _identity(path.stat())
+        out.append({"file": path.name, "bytes": size, "mtime_ns": mtime_ns,
+                    "ctime_ns": ctime_ns, "header_sha256": hashlib.sha256(header).hexdigest()})
     return out
 
 
@@ -258,6 +259,9 @@ def read_manifest(folder: Path, files: list[Path] | None) -> dict:
     if not binary.exists() or binary.stat().st_size != manifest["bin_bytes"]:
         raise StoreError(f"{binary}: missing or not {manifest['bin_bytes']} bytes")
     if files is not None and manifest["source"] != source_digest(files):
+        if not all("ctime_ns" in shard for shard in manifest["source"]):
+            raise StoreError(f"{path}: made by an earlier mlx-moestream, which did not record "
+                             f"what now tells the model files unchanged (repack again)")
         raise StoreError(f"{path}: made from other model files (repack again)")
     return manifest
 

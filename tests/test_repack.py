@@ -5,6 +5,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import mlx.core as mx
@@ -13,7 +14,8 @@ import pytest
 
 import mlx_moestream
 from mlx_moestream.repack import repack, verify
-from mlx_moestream.store import ExpertStore, StoreError, index_file, repack_dir
+from mlx_moestream.store import (ExpertStore, StoreError, index_file, manifest_checksum,
+                                  repack_dir)
 
 from mlx_moestream.testing import greedy_logits
 
@@ -137,6 +139,37 @@ def test_a_copy_of_experts_since_rewritten_in_place_is_ignored_and_verify_says_s
     with pytest.warns(UserWarning, match="made from other model files"):
         store = ExpertStore(path)
     assert store.files[-1].name == "model.safetensors"
+
+
+def test_a_copy_of_experts_rewritten_in_place_with_the_old_modification_time_is_ignored(
+        model_copy):
+    """`cp -p`, `rsync -t` and `touch -d` set a modification time back; the status change
+    time a write moves cannot be."""
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    shard = path / "model.safetensors"
+    stacked = index_file(shard, 0)["model.layers.0.mlp.switch_mlp.down_proj.weight"]
+    stat = shard.stat()
+    time.sleep(0.01)  # a status change time the file system can tell from the repack's
+    with open(shard, "r+b") as f:
+        f.seek(stacked.offset + 3 * stacked.nbytes // stacked.shape[0])
+        f.write(bytes(64))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.warns(UserWarning, match="made from other model files"):
+        store = ExpertStore(path)
+    assert store.files[-1].name == "model.safetensors"
+
+
+def test_a_copy_made_before_status_change_times_were_recorded_is_ignored_saying_so(model_copy):
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for shard in manifest["source"]:
+        del shard["ctime_ns"]
+    manifest["checksum"] = manifest_checksum(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="made by an earlier mlx-moestream.*repack again"):
+        ExpertStore(path)
 
 
 def test_a_shard_rewritten_after_its_experts_were_read_fails_the_repack(model_copy, monkeypatch):
