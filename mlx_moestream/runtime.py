@@ -578,9 +578,11 @@ class Runtime:
         return loaded, nbytes
 
     def profile(self, workload: str) -> Profile:
-        """This session's routing so far, to pre-warm later sessions of the same workload."""
-        self.count_all()
-        return Profile.of(self.stats, workload, self.plan.identity)
+        """This session's routing so far, to pre-warm later sessions of the same workload:
+        copied before another thread's layer call may count more."""
+        with self.lock:
+            self.count_all()
+            return Profile.of(self.stats, workload, self.plan.identity)
 
     def _prewarm_effect(self, hits: int, misses: int) -> dict:
         """The pre-warm's record with the hit rate of the accesses before it and since."""

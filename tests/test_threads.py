@@ -64,6 +64,29 @@ def test_a_prewarm_waits_for_another_threads_layer_call(tiny_model):
     assert runtime.stats.loads.sum() > 0
 
 
+def test_a_profile_is_copied_before_another_threads_layer_call_counts_more(tiny_model,
+                                                                          monkeypatch):
+    """Its token count and its experts' counts are of the same calls."""
+    from mlx_moestream.profiles import Profile
+
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%")
+    greedy_logits(model, decode_tokens=2)
+    copy, steps = Profile.of.__func__, []
+
+    def of(cls, *args):
+        step = threading.Thread(target=greedy_logits, args=(model,), kwargs={"decode_tokens": 1})
+        step.start()
+        step.join(timeout=0.5)
+        steps.append((step, step.is_alive()))
+        return copy(cls, *args)
+
+    monkeypatch.setattr(Profile, "of", classmethod(of))
+    mlx_moestream.profile(model, "chat")
+    (step, waited), = steps
+    step.join()
+    assert waited
+
+
 def test_stats_from_another_thread_lag_a_generation_by_at_most_two_tokens(tiny_model):
     """Every expert resident: a thread's routing is counted by that thread, two forward calls
     late (the latest may not be computed yet), so another thread's `stats()` misses at most the
