@@ -272,7 +272,8 @@ class Runtime:
 
     def _finish_reads(self, layer: int) -> None:
         """Finish the reads in flight (a prefetch's, those a call left running), counting each
-        (a wait counts as `layer`'s stall)."""
+        (a wait counts as `layer`'s stall). Callers hold CRITICAL: a read's end is counted or
+        forgotten, and taken off its list, as one step."""
         if self.prefetch and self.prefetch.reads:
             self.prefetch.wait(layer)
         if self.unfinished:
@@ -594,8 +595,8 @@ class Runtime:
     def stats_dict(self) -> dict:
         with self.lock:  # as a layer call would: the reads a call cut short left running first,
             stalled = self.stats.stall_seconds.copy()  # so that every resident expert has its
-            try:  # load counted, each read's end counted or forgotten whole
-                with CRITICAL:
+            try:  # load counted
+                with CRITICAL:  # see `_finish_reads`
                     self._finish_reads(0)
             except StoreError:  # counted in read_errors, the expert forgotten: the next call
                 pass  # that needs it reads it again and reports the error
