@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from .budget import BudgetError, format_bytes, resolve_budget
+from .interrupts import deferred
 from .policies import DEFAULT_POLICY, POLICIES
 
 LIVE_POLICIES = [name for name in POLICIES if name != "belady"]  # belady needs the future
@@ -250,11 +251,14 @@ class _Terminated(BaseException):
 
 @contextmanager
 def _terminate_as_interrupt():
-    """SIGTERM and SIGHUP end the session (its outputs saved), where Ctrl-C stops an answer."""
+    """SIGTERM and SIGHUP end the session (its outputs saved), where Ctrl-C stops an answer.
+    Like Ctrl-C they wait for a cache step to end: cut short, its counts could be made twice
+    when the outputs are saved."""
     def interrupt(signum, frame):
         raise _Terminated
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    handler = deferred(interrupt)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

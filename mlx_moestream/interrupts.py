@@ -6,6 +6,7 @@ runs such steps inside `critical()`: a SIGINT that arrives there is delivered wh
 ends, a few milliseconds later, wherever the caller expects it (`chat` goes on with the same
 model). Signals reach only the main thread, so only its steps defer them. A handler set after
 ours (Jupyter sets one before every cell) is swapped out for the step, ours standing in.
+Other signals that end a session (`chat`'s SIGTERM) wait the same way through `deferred`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import _signal  # `signal.getsignal` without its enum conversion (see `critical`)
 import signal
 import threading
+from typing import Callable
 
 _MAIN = threading.main_thread().ident
 
@@ -20,6 +22,7 @@ _MAIN = threading.main_thread().ident
 class _Deferral:
     depth = 0  # critical steps the main thread is inside
     pending: tuple | None = None  # (signum, frame) of a SIGINT that arrived inside one
+    other: tuple | None = None  # (handler, signum, frame) of another signal (see `deferred`)
     previous = None  # the handler ours wraps
     replaced = None  # a handler set after ours, swapped out for the current step
 
@@ -42,6 +45,18 @@ def _on_sigint(signum, frame) -> None:
         _Deferral.pending = (signum, frame)
     else:
         (_Deferral.replaced or _Deferral.previous)(signum, frame)
+
+
+def deferred(handler: Callable) -> Callable:
+    """`handler` as a signal handler that, like SIGINT's, waits for the end of a critical step:
+    for a signal whose handler raises."""
+    def on_signal(signum, frame) -> None:
+        if _Deferral.depth and threading.get_ident() == _MAIN:
+            _Deferral.other = (handler, signum, frame)
+        else:
+            handler(signum, frame)
+
+    return on_signal
 
 
 class critical:
@@ -69,11 +84,14 @@ class critical:
             _Deferral.depth -= 1
             return
         pending, _Deferral.pending = _Deferral.pending, None  # a later SIGINT is raised at once
+        other, _Deferral.other = _Deferral.other, None
         _Deferral.depth = 0
         handler = _Deferral.replaced or _Deferral.previous
         if _Deferral.replaced is not None:
             signal.signal(signal.SIGINT, handler)
             _Deferral.replaced = None
+        if other:  # it ends the session: first
+            other[0](*other[1:])
         if pending:
             handler(*pending)
 

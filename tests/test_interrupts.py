@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_moestream import cli
+from mlx_moestream.cache import ExpertCache
 from mlx_moestream.store import StoreError
 from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
@@ -393,3 +395,31 @@ def test_an_interrupt_while_deferred_routing_is_counted_loses_none_of_it(tiny_mo
         mlx_moestream.stats(model)
     monkeypatch.undo()
     assert mlx_moestream.profile(model, "counted").counts.sum() == routed[0]
+
+
+def test_sigterm_while_a_chat_counts_its_calls_lands_after_them(tiny_model, monkeypatch):
+    """`chat` ends on SIGTERM and saves what it counted: a SIGTERM while a call's counts are
+    made lands once they all are, so none is counted again when the outputs are saved."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%")
+    runtime = model.moestream
+    request, count_request = ExpertCache.request, runtime.stats.count_request
+    accessed, armed = [0], []
+
+    def requesting(cache, layer, experts):
+        loads, hits, evicted = request(cache, layer, experts)
+        accessed[0] += hits + len(loads)
+        return loads, hits, evicted
+
+    def terminating(*args):
+        count_request(*args)
+        if armed and armed.pop():
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(ExpertCache, "request", requesting)
+    monkeypatch.setattr(runtime.stats, "count_request", terminating)
+    armed += [True] + [False] * 5  # at the sixth call counted
+    with pytest.raises(cli._Terminated), cli._terminate_as_interrupt():
+        greedy_logits(model, decode_tokens=4)
+    monkeypatch.undo()
+    counted = mlx_moestream.stats(model)
+    assert not armed and counted["hits"] + counted["misses"] == accessed[0]
