@@ -49,9 +49,9 @@ def _on_sigint(signum, frame) -> None:
 
 def deferred(handler: Callable) -> Callable:
     """`handler` as a signal handler that, like SIGINT's, waits for the end of a critical step:
-    for a signal whose handler raises."""
+    for a signal whose handler raises. (Python runs handlers in the main thread.)"""
     def on_signal(signum, frame) -> None:
-        if _Deferral.depth and threading.get_ident() == _MAIN:
+        if _Deferral.depth:
             _Deferral.other = (handler, signum, frame)
         else:
             handler(signum, frame)
