@@ -38,7 +38,8 @@ class BudgetType(click.ParamType):
 
 
 def _fail(e: Exception) -> None:
-    raise click.ClickException(str(e))
+    """A one-line error: a library's message may span lines."""
+    raise click.ClickException(" ".join(str(e).split()))
 
 
 def _torch_backend():
@@ -414,7 +415,7 @@ def inspect(model, as_json, hosts, backend):
             shares = [plan.host_share(h, hosts) for h in range(hosts)]
             info["hosts"] = hosts
             info["min_budget_bytes_per_host"] = max(p.min_budget_bytes for p in shares)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         _fail(e)
     if as_json:
         json.dump(info, sys.stdout, indent=2)

@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import initialization as init
@@ -154,7 +155,11 @@ def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None
     """The model with its dense weights and untouched expert parameters, its store, its
     experts modules and its plan (`rows`: for `ExpertRows`, else for `DeviceSlots`)."""
     store = ExpertStore(path, drop_page_cache)
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        # StrictDataclassError: a field of the wrong type (transformers 5 checks them)
+        raise ModelError(f"{path}: transformers cannot read its config.json: {e}") from None
     if experts_implementation:
         config._experts_implementation = experts_implementation
     _refuse_conversions(path, config, store)

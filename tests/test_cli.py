@@ -54,6 +54,15 @@ def test_corrupt_model_is_a_clear_error_without_traceback(model_copy):
     assert "Traceback" not in out.stderr
 
 
+def test_inspect_of_a_model_whose_config_cannot_be_read_is_a_one_line_error(model_copy):
+    path = model_copy()
+    (path / "config.json").unlink()
+    (path / "config.json").mkdir()
+    out = run("inspect", "--model", path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "Is a directory" in out.stderr and str(path / "config.json") in out.stderr
+
+
 def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
     proc = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4"],
                           input="hello\nagain\n\n", capture_output=True, text=True, timeout=120)

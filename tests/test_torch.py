@@ -432,6 +432,27 @@ def test_chat_with_the_torch_backend_refuses_what_it_cannot_do(hf_model, args, m
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("command", ["chat", "inspect"])
+@pytest.mark.parametrize("config, problem", [
+    ('{"num_local_experts": "8"}', "Field 'num_local_experts' expected int, got str"),
+    ("not json", "is not a valid JSON file"),
+])
+def test_a_config_transformers_cannot_read_is_a_one_line_error(hf_model, tmp_path, command,
+                                                                config, problem):
+    path = shutil.copytree(hf_model("mixtral"), tmp_path / "m")
+    text = (path / "config.json").read_text()
+    if config.startswith("{"):
+        config = json.dumps({**json.loads(text), **json.loads(config)})
+    (path / "config.json").write_text(config)
+    prompt = ["--prompt", "Ciao"] if command == "chat" else []
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", command, "--backend",
+                          "torch", "-m", str(path), *prompt], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"Error: {path}: transformers cannot read its config.json: ")
+    assert problem in out.stderr
+
+
 def test_inspect_for_the_torch_backend_states_the_minimum_its_load_takes(hf_model):
     """The torch backend computes a layer's call at once: its minimum holds a whole layer's
     experts, not one token's top-k (what the MLX backend needs)."""
