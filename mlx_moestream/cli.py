@@ -191,7 +191,7 @@ def _mlx_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict])
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    tokens = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    tokens = _prompt_tokens(tokenizer, history, tokenizer.has_chat_template)
     reply = []
     for response in stream_generate(lm, tokenizer, tokens, max_tokens=max_tokens,
                                     sampler=make_sampler(temp=temp)):
@@ -199,6 +199,14 @@ def _mlx_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict])
         reply.append(response.text)
     click.echo()
     return "".join(reply), response
+
+
+def _prompt_tokens(tokenizer, history: list[dict], templated: bool, **options) -> list[int]:
+    """The conversation as prompt tokens, through the tokenizer's chat template. A base
+    model's tokenizer has none: its turns' text as it is then, as `mlx_lm generate` does."""
+    if templated:
+        return tokenizer.apply_chat_template(history, add_generation_prompt=True, **options)
+    return tokenizer.encode("\n".join(turn["content"] for turn in history))
 
 
 @dataclass
@@ -226,8 +234,8 @@ def _torch_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
             click.echo(text, nl=stream_end)
 
-    tokens = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
-                                           return_dict=False)
+    tokens = _prompt_tokens(tokenizer, history, tokenizer.chat_template is not None,
+                            tokenize=True, return_dict=False)
     streamer = Echo(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     out = lm.generate(torch.tensor([tokens], device=lm.device), max_new_tokens=max_tokens,

@@ -63,6 +63,23 @@ def test_inspect_of_a_model_whose_config_cannot_be_read_is_a_one_line_error(mode
     assert "Is a directory" in out.stderr and str(path / "config.json") in out.stderr
 
 
+def test_chat_gives_a_base_model_without_a_chat_template_its_prompt_as_mlx_lm_does(model_copy):
+    """`mlx_lm generate` encodes the prompt as it is when the tokenizer has no chat template
+    (a base model's): chat answers as it does, where it refused."""
+    from mlx_lm import generate, load
+
+    path = model_copy()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    out = run("chat", "--model", path, "--prompt", "Hello there", "--max-tokens", 8)
+    assert out.returncode == 0, out.stderr
+    model, tokenizer = load(str(path))
+    assert not tokenizer.has_chat_template
+    expected = generate(model, tokenizer, tokenizer.encode("Hello there"), max_tokens=8)
+    assert out.stdout.startswith(expected + "\n")
+
+
 def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
     proc = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4"],
                           input="hello\nagain\n\n", capture_output=True, text=True, timeout=120)

@@ -395,6 +395,22 @@ def test_chat_with_the_torch_backend_answers_and_reports_the_cache(hf_model):
     assert "generated at" in out.stdout and "experts, session so far: hit rate" in out.stdout
 
 
+def test_chat_gives_a_base_model_without_a_chat_template_its_prompt_as_it_is(hf_model,
+                                                                           tmp_path):
+    path = shutil.copytree(hf_model("mixtral"), tmp_path / "m")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    out = chat("-m", path, "--budget", "40%", "--prompt", "Ciao", "-n", 6)
+    assert out.returncode == 0, out.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    assert tokenizer.chat_template is None
+    prompt = tokenizer.encode("Ciao")
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path)
+    ids = stock.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    assert out.stdout.startswith(tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True))
+
+
 def test_chat_statistics_of_a_prefetch_that_scored_nothing_say_so(hf_model):
     """One token is the prompt's: no decode call predicted, precision and recall unknown."""
     out = chat("-m", hf_model("mixtral"), "--budget", "60%", "--prefetch", "--prompt", "Ciao",
