@@ -63,10 +63,14 @@ def main() -> None:
     """Run Mixture-of-Experts models whose experts exceed memory."""
 
 
+budget_option = click.option(
+    "--budget", "-b", type=BudgetType(), default="auto", show_default=True,
+    help="Memory for resident experts: bytes, 8GB, 512MiB, 35% of experts, auto.")
+
+
 @main.command()
 @model_option
-@click.option("--budget", "-b", type=BudgetType(), default="auto", show_default=True,
-              help="Memory for resident experts: bytes, 8GB, 512MiB, 35% of experts, auto.")
+@budget_option
 @click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
               help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}; options as "
                    "NAME:OPTION=VALUE,... (cyclic:half_life=128).")
@@ -527,8 +531,10 @@ def profile_list():
 @click.option("--text", "text_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="A text file typical of the workload.")
 @model_option
-def profile_record(name, text_path, model):
-    """Record a workload's profile by running a text through the model."""
+@budget_option
+def profile_record(name, text_path, model, budget):
+    """Record a workload's profile by running a text through the model (its counts are the
+    same at every budget)."""
     from . import loader, session
     from .profiles import save_target
 
@@ -541,7 +547,7 @@ def profile_record(name, text_path, model):
                 from None
         if not text.strip():
             raise ValueError(f"{text_path}: no text, so nothing to profile")
-        lm, tokenizer = loader.load(model, budget="100%")
+        lm, tokenizer = loader.load(model, budget)
         tokens = loader.run_text(lm, tokenizer, text)
         click.echo(f"{tokens} tokens: {session.save_profile(lm, target)}")
     except (ValueError, OSError) as e:

@@ -226,6 +226,19 @@ def test_profile_record_runs_a_text_and_saves_its_profile(tiny_model, tmp_path):
     assert profile.workload == "p" and profile.tokens > 0 and profile.counts.sum() > 0
 
 
+def test_profile_record_streams_under_a_budget_and_counts_as_a_full_one(tiny_model, tmp_path):
+    """A workload's profile of a model larger than memory: recorded at a budget that streams,
+    its counts are those of a budget that holds every expert."""
+    (tmp_path / "text.txt").write_text("one two three four five six seven eight nine ten")
+    for budget in ("25%", "100%"):
+        out = _cli("profile", "record", tmp_path / f"{budget[:-1]}.json", "--text",
+                   tmp_path / "text.txt", "-m", tiny_model("qwen3_moe"), "-b", budget,
+                   cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+    streamed, full = (Profile.load(tmp_path / f"{b}.json") for b in ("25", "100"))
+    assert streamed.counts.sum() > 0 and (streamed.counts == full.counts).all()
+
+
 @pytest.mark.parametrize("name, text, problem", [
     ("bad name!", "fine", "'bad name!' is neither a profile name"),
     ("p.json", b"\xff\xfe not utf-8", "text.txt: not UTF-8 text (invalid start byte at byte 0)"),
