@@ -93,10 +93,10 @@ class Profile:
             names, created = [str(l["name"]) for l in layers], str(data["created"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProfileError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
-        if (counts.ndim != 2 or counts.shape != decayed.shape
+        if (counts.ndim != 2 or counts.shape != decayed.shape or 0 in counts.shape
                 or not ((counts >= 0) & (counts < 2**53) & (counts == counts.round())).all()):
-            raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts] "
-                               f"whole numbers >= 0)")
+            raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts], "
+                               f"at least one of each, whole numbers >= 0)")
         if not np.isfinite(decayed).all() or (decayed < 0).any():
             raise ProfileError(f"{path}: malformed profile (decayed counts must be finite, >= 0)")
         if tokens < 0 or half_life < 1:

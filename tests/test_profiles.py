@@ -159,6 +159,9 @@ def _profile_json(counts, decayed, model=None, half_life_tokens=256) -> str:
     (_profile_json([1, 1], [float("nan"), 1]), "must be finite"),
     (_profile_json([1.7, 1], [1, 1]), "whole numbers"),
     (_profile_json([1, 1], [1, 1], half_life_tokens=0), "half_life_tokens >= 1"),
+    (_profile_json([], []), "at least one of each"),  # `profile diff` divided by zero
+    (_profile_json([1], [1]).replace('[{"name": "l0", "counts": [1], "decayed": [1]}]', "[]"),
+     "at least one of each"),
     # merged with a profile of its model, such counts were broadcast over every expert
     (_profile_json([1], [1], {"fingerprint": "f", "moe_layers": 1, "experts": 2}),
      "counts for 1 layers x 1 experts, but its own model record has 1 x 2"),
