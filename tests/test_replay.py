@@ -2,7 +2,10 @@
 
 import json
 import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -388,3 +391,17 @@ def test_saving_a_trace_over_a_file_that_is_not_a_trace_is_refused(tmp_path):
     trace.save(tmp_path / "t.npz")
     trace.save(tmp_path / "t.npz")  # a trace is replaced
     assert Trace.load(tmp_path / "t.npz").tokens == 16
+
+
+@pytest.mark.parametrize("target, problem", [
+    ("notes.txt", "refusing to replace notes.txt: it is not a routing trace"),
+    ("missing/t.npz", "cannot write missing/t.npz: no folder missing"),
+])
+def test_make_trace_refuses_a_target_it_cannot_write_in_one_line(tmp_path, target, problem):
+    (tmp_path / "notes.txt").write_text("not mine to replace")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_trace.py"
+    out = subprocess.run([sys.executable, str(script), target, "--tokens", "8", "--layers", "2",
+                          "--experts", "8", "--top-k", "2"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr == f"Error: {problem}\n"
+    assert (tmp_path / "notes.txt").read_text() == "not mine to replace"
