@@ -38,6 +38,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_moestream.torch as moestream_torch  # noqa: E402
+from mlx_moestream.files import atomic_write_text  # noqa: E402
 from mlx_moestream.testing_tokenizer import make_tokenizer  # noqa: E402
 from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, WIDER, make_tiny_hf_moe  # noqa: E402
 
@@ -248,7 +249,7 @@ def main() -> None:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        args.out.write_text(text)
+        atomic_write_text(args.out, text)
 
 
 if __name__ == "__main__":
