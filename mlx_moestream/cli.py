@@ -110,6 +110,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     to_save = [name for action, name in profiles if action == "save"]
     if len(to_load) > 1:
         raise click.UsageError("--profile load may be given once")
+    if not to_load and (pin_share or prewarm_share != 1.0):  # else silently without effect
+        raise click.UsageError("--prewarm-share and --pin-share need --profile load NAME")
     if backend == "torch" and model is None:
         raise click.UsageError("--backend torch needs --model: the embedded model is an MLX model")
     if backend == "torch" and distributed:

@@ -80,6 +80,13 @@ def test_chat_gives_a_base_model_without_a_chat_template_its_prompt_as_mlx_lm_do
     assert out.stdout.startswith(expected + "\n")
 
 
+@pytest.mark.parametrize("option", [("--pin-share", "0.5"), ("--prewarm-share", "0.5")])
+def test_a_profile_share_without_a_profile_to_load_is_refused(tiny_model, option):
+    out = run("chat", "--model", tiny_model("qwen3_moe"), "--prompt", "hi", *option)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--prewarm-share and --pin-share need --profile load NAME" in out.stderr
+
+
 def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
     proc = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4"],
                           input="hello\nagain\n\n", capture_output=True, text=True, timeout=120)
