@@ -76,7 +76,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     device = _device(device)
     rows = device.type in ROW_DEVICES
     check_options(policy, prewarm_share, pin_share, window_tokens)
-    path = resolve_model_path(model, revision)
+    path = _model_path(model, revision)
     if profile is not None:
         profile = as_profile(profile)
     # before the dense weights load: `auto` counts them
@@ -142,7 +142,14 @@ def plan_of(model: str | Path, revision: str | None = None, device: str = "cpu")
     """The plan `load` makes of this model for `device` (its dense weights are loaded on the
     CPU to measure them)."""
     rows = _device(device).type in ROW_DEVICES
-    return _build(resolve_model_path(model, revision), False, None, rows)[3]
+    return _build(_model_path(model, revision), False, None, rows)[3]
+
+
+def _model_path(model: str | Path | None, revision: str | None) -> Path:
+    if model is None or model == "embedded":  # the package's model, which is an MLX one
+        raise ModelError("the torch backend needs a transformers model: the embedded model "
+                         "is an MLX model")
+    return resolve_model_path(model, revision)
 
 
 def min_budget_bytes(model: str | Path, revision: str | None = None, device: str = "cpu") -> int:

@@ -650,6 +650,14 @@ def test_a_stacked_tensor_transformers_renames_to_a_name_the_store_lacks_is_refu
         moestream_torch.load(path, budget="100%")
 
 
+@pytest.mark.parametrize("model", [None, "embedded"])
+def test_the_embedded_model_is_refused_as_an_mlx_model(model):
+    with pytest.raises(ModelError, match="the embedded model is an MLX model"):
+        moestream_torch.load(model)
+    with pytest.raises(ModelError, match="the embedded model is an MLX model"):
+        moestream_torch.min_budget_bytes(model)
+
+
 def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_path):
     """`from_pretrained` computes in config.json's dtype, converting the weights; the experts
     stream as stored, so the output would differ from its with no error."""
