@@ -704,6 +704,8 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                         "load (model.to, .half, ...), which streaming cannot follow: the experts "
                         "are read in the checkpoint's dtype to the device they were loaded on")
             ids = top_k_index.detach().to("cpu").numpy()
+            if top_k_index.device.type != "cpu":  # the host waited for the device
+                runtime.count_sync()
             prefetch = runtime.prefetch  # predicting is decided before `route`, as in MLX
             predict = (prefetch and next_router is not None and ids.size == ids.shape[-1]
                        and hidden_states.shape[-1] == next_router[1]  # a latent MoE's take less
@@ -717,6 +719,8 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                 with torch.no_grad():
                     picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
                 prefetch.after(layer, np.unique(picks.to("cpu").numpy()))
+                if picks.device.type != "cpu":
+                    runtime.count_sync()
             if slots is None:
                 out = forward(hidden_states, top_k_index, *args, **kwargs)
             else:

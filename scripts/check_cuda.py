@@ -85,6 +85,7 @@ def parity(root: Path, archs: list[str], decode_tokens: int) -> tuple[list[dict]
                                      "budget": "min" if budget == minimum else budget, **got,
                                      "evictions": stats["evictions"],
                                      "hit_rate": round(stats["hit_rate"], 3),
+                                     "syncs_per_token": round(stats["syncs_per_token"], 2),
                                      "expert_memory_within_budget":
                                          held["experts"] <= stats["budget_bytes"],
                                      "gpu_bytes_beyond_the_model": other})
