@@ -38,6 +38,7 @@ from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
 from .runtime import Runtime, SlotPool, not_copyable
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
+SORTED_IDS = 64  # both sort a call of this many ids or more by expert (their `do_sort`)
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -234,9 +235,17 @@ class StreamingExperts(PooledExperts):
         return _gathered(outs, ids.shape)
 
     def _rows(self, x: mx.array, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> mx.array:
-        """The outputs of the flat (token, k) positions `pos`, whose experts are in `slots`."""
-        rows = x.reshape(-1, x.shape[-1])[mx.array(pos // ids.shape[-1])]
-        return self.inner(rows, _slot_ids(slots[:, None]))[:, 0]
+        """The outputs of the flat (token, k) positions `pos`, whose experts are in `slots`.
+        mlx-lm sorts a call of `SORTED_IDS` ids or more by expert, and on Metal a sorted call
+        runs another kernel (`gather_mm_rhs`, not `gather_mv`): a smaller part of such a call
+        is padded with copies of its first row to be sorted too, so that it computes as the
+        whole call does in stock."""
+        rows, n = pos // ids.shape[-1], len(pos)
+        if ids.size >= SORTED_IDS > n:
+            rows = np.concatenate([rows, np.repeat(rows[:1], SORTED_IDS - n)])
+            slots = np.concatenate([slots, np.repeat(slots[:1], SORTED_IDS - n)])
+        x_rows = x.reshape(-1, x.shape[-1])[mx.array(rows)]
+        return self.inner(x_rows, _slot_ids(slots[:, None]))[:n, 0]
 
 
 def _slot_ids(slots: np.ndarray) -> mx.array:

@@ -571,6 +571,25 @@ def test_a_prompt_computes_its_resident_experts_while_its_misses_are_read(tiny_m
     assert sorted(e for positions, _ in chunks for e in ids.reshape(-1)[positions]) == [5, 6]
 
 
+@pytest.mark.parametrize("budget", ["25%", "minimum"])  # chunks as read; rounds
+def test_every_part_of_a_call_stock_sorts_by_expert_is_sorted_too(tiny_model, budget):
+    """mlx-lm sorts a call of 64 ids or more by expert, and on Metal a sorted call runs
+    another kernel than an unsorted one: a prompt computed in parts (chunks as their experts
+    are read, rounds at a small budget) computes every part sorted, as stock does the whole."""
+    path = tiny_model("qwen3_moe")
+    model, _ = mlx_moestream.load(path, budget=min_budget(path) if budget == "minimum" else budget)
+    sizes, experts = [], model.model.layers[0].mlp.switch_mlp
+    inner = experts.inner
+
+    def recording(x, indices):
+        sizes.append(indices.size)
+        return inner(x, indices)
+
+    experts.inner = recording
+    mx.eval(model(PROMPT))  # 64 tokens, top-2
+    assert len(sizes) > 1 and min(sizes) >= 64, sizes
+
+
 @pytest.mark.parametrize("transform", ["grad", "compile"])
 @pytest.mark.parametrize("tokens", [1, 64])  # one call at once; a call in rounds at the minimum
 def test_a_function_transformation_of_a_streamed_model_is_refused_clearly(tiny_model, reference,
