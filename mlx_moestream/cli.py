@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from .budget import BudgetError, format_bytes, resolve_budget
+from .files import check_writable_folder
 from .interrupts import deferred
 from .policies import DEFAULT_POLICY, POLICIES
 
@@ -124,7 +125,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             _check_text(prompt, "--prompt")
         targets = [save_target(name) for name in to_save]
         if trace_path:
-            _check_writable(Path(trace_path))
+            check_writable_folder(trace_path)
             check_save_target(trace_path)
         profile = to_load[0] if to_load else None
         if backend == "torch":
@@ -252,12 +253,6 @@ def _torch_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict
     text = tokenizer.decode(out[0, len(tokens):], skip_special_tokens=True)
     return text, _Timing(len(tokens), len(tokens) / max(first - start, 1e-9), generated,
                          generated / max(end - first, 1e-9))  # as mlx-lm counts it
-
-
-def _check_writable(path: Path) -> None:
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise OSError(f"cannot write {path}: {folder} is not a writable folder")
 
 
 class _Terminated(BaseException):

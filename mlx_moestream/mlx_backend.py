@@ -38,7 +38,7 @@ from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
 from .runtime import Runtime, SlotPool, not_copyable
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
-SORTED_IDS = 64  # both sort a call of this many ids or more by expert (their `do_sort`)
+SORTED_IDS = 64  # SwitchGLU and SwitchMLP sort a call of this many ids or more (`do_sort`)
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

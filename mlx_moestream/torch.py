@@ -685,7 +685,9 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     top_k = runtime.plan.top_k
     # the memory reads land in: `model.to(...)`, `.half()` and the like copy the experts out
     # of it, and the copies would never be read into
-    where = [(name, param.data_ptr()) for name, param in _expert_params(module)]
+    params = _expert_params(module)
+    where = [(name, param.data_ptr()) for name, param in params]
+    waits = params[0][1].device.type != "cpu"  # reading ids from a GPU waits for it: a sync
     # a gradient reaches the experts it was computed from only when no expert ever leaves
     # its memory, and the module computes from it (not from a gathered copy)
     trainable = runtime.holds_all and slots is None
@@ -704,7 +706,7 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                         "load (model.to, .half, ...), which streaming cannot follow: the experts "
                         "are read in the checkpoint's dtype to the device they were loaded on")
             ids = top_k_index.detach().to("cpu").numpy()
-            if top_k_index.device.type != "cpu":  # the host waited for the device
+            if waits:
                 runtime.count_sync()
             prefetch = runtime.prefetch  # predicting is decided before `route`, as in MLX
             predict = (prefetch and next_router is not None and ids.size == ids.shape[-1]
@@ -719,7 +721,7 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
                 with torch.no_grad():
                     picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
                 prefetch.after(layer, np.unique(picks.to("cpu").numpy()))
-                if picks.device.type != "cpu":
+                if waits:
                     runtime.count_sync()
             if slots is None:
                 out = forward(hidden_states, top_k_index, *args, **kwargs)

@@ -13,6 +13,7 @@ import click
 # Run from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mlx_moestream.files import check_writable_folder  # noqa: E402
 from mlx_moestream.trace import check_save_target, synthetic_trace  # noqa: E402
 
 
@@ -38,8 +39,7 @@ def main(out, tokens, layers, num_experts, top_k, skew, repeat, switch_at, no_sw
         raise click.BadParameter(f"top-k {top_k} exceeds {num_experts} experts",
                                  param_hint="--top-k")
     try:
-        if not Path(out).parent.is_dir():
-            raise OSError(f"cannot write {out}: no folder {Path(out).parent}")
+        check_writable_folder(out)
         check_save_target(out)  # before the trace is built, not after
         trace = synthetic_trace(tokens, layers, num_experts, top_k, skew, repeat,
                                 None if no_switch else switch_at, seed, sample_seed)

@@ -395,7 +395,7 @@ def test_saving_a_trace_over_a_file_that_is_not_a_trace_is_refused(tmp_path):
 
 @pytest.mark.parametrize("target, problem", [
     ("notes.txt", "refusing to replace notes.txt: it is not a routing trace"),
-    ("missing/t.npz", "cannot write missing/t.npz: no folder missing"),
+    ("missing/t.npz", "cannot write missing/t.npz: missing is not a writable folder"),
 ])
 def test_make_trace_refuses_a_target_it_cannot_write_in_one_line(tmp_path, target, problem):
     (tmp_path / "notes.txt").write_text("not mine to replace")
