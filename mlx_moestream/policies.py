@@ -391,18 +391,18 @@ class LayerCyclic(Policy):
 
     def access(self, keys: list[int], new: list[int] = ()) -> None:
         layer = keys[0] // self.experts
-        self.calls_made = now = self.calls_made + 1
+        self.calls_made = call = self.calls_made + 1
         count, weight, least, state, stamp = self.count, self.weight, _INF, self.state, self.stamp
         for key in keys:
             c = count[key] = count[key] + weight
-            stamp[key] = now
+            stamp[key] = call
             if c < least:
                 least = c
         previous = self.latest[layer]
         reused = 0
         in_heap, heap = self.in_heap, self.old[layer]
         for key in previous:  # those gone and resident join the layer's heap, unless there
-            if stamp[key] == now:
+            if stamp[key] == call:
                 reused += 1
             elif not in_heap[key] and state[key] == 2:
                 heappush(heap, (count[key], key))
@@ -417,7 +417,7 @@ class LayerCyclic(Policy):
         if self.unused:  # it may use prefetched keys (else every hit is a used key already)
             for key in keys:
                 state[key] = 2
-        self.latest[layer], self.call_stamp[layer], self.ranked[layer] = keys, now, None
+        self.latest[layer], self.call_stamp[layer], self.ranked[layer] = keys, call, None
         self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
         self._note(layer)
