@@ -301,40 +301,43 @@ class ResidentExperts(PooledExperts):
 class DeferredRouting:
     """The routed ids of calls that did not sync, per thread (only the thread that built them
     can evaluate them: mlx streams are per thread, or any once it has ended), counted through
-    the runtime two forward calls late or whenever statistics are read."""
+    the runtime two forward calls late or whenever statistics are read. A forward call is a
+    run of calls in layer order: one cut short (an exception, Ctrl-C) ends where it stopped."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-        self.calls: dict[threading.Thread, list[tuple[int, mx.array]]] = {}
+        self.forwards: dict[threading.Thread, list[list[tuple[int, mx.array]]]] = {}
 
     def add(self, layer: int, indices: mx.array) -> None:
-        calls = self.calls.setdefault(threading.current_thread(), [])
-        calls.append((layer, indices))
-        layers = self.runtime.plan.num_layers
-        if len(calls) > 2 * layers:  # a third forward call began: count the first
-            self.count(keep=layers + 1)
+        forwards = self.forwards.setdefault(threading.current_thread(), [])
+        if forwards and layer > forwards[-1][-1][0]:
+            forwards[-1].append((layer, indices))
+        else:  # a forward call begins
+            forwards.append([(layer, indices)])
+            if len(forwards) > 2:  # a third: count the first
+                self.count(keep=2)
 
     def count(self, keep: int = 0) -> None:
-        """Route this thread's deferred calls (whole forward calls, all but the last `keep`
-        layer calls) and those of threads that have ended, in call order. Ids that cannot be
-        computed are routing that never was, and go uncounted: a thread that ended before its
-        last layer's ids were needed (a prefill evaluating only the KV cache, as stock skips
-        that layer), or a trace of `mx.compile`."""
-        runtime = self.runtime
-        layers, me = runtime.plan.num_layers, threading.current_thread()
+        """Route this thread's deferred calls (all but its last `keep` forward calls) and those
+        of threads that have ended, in call order. Ids that cannot be computed are routing
+        that never was, and go uncounted: a thread that ended before its last layer's ids were
+        needed (a prefill evaluating only the KV cache, as stock skips that layer), or a trace
+        of `mx.compile`."""
+        runtime, me = self.runtime, threading.current_thread()
         with runtime.lock, CRITICAL:  # the calls taken off the lists are counted, every one
-            threads = list(self.calls)  # one step: other threads may add theirs meanwhile
+            threads = list(self.forwards)  # one step: other threads may add theirs meanwhile
             for thread in [t for t in threads if t is me or not t.is_alive()]:
-                calls = self.calls.pop(thread)
-                cut = (len(calls) - keep) // layers * layers if thread is me else len(calls)
-                if cut < len(calls) and thread is me:
-                    self.calls[thread] = calls[cut:]
-                for layer, indices in calls[:cut]:
-                    try:
-                        ids = np.array(indices)
-                    except (ValueError, RuntimeError):  # never computed: left uncounted
-                        continue
-                    runtime.route(layer, ids, compute=False)
+                forwards = self.forwards.pop(thread)
+                cut = max(len(forwards) - keep, 0) if thread is me else len(forwards)
+                if cut < len(forwards):
+                    self.forwards[thread] = forwards[cut:]
+                for calls in forwards[:cut]:
+                    for layer, indices in calls:
+                        try:
+                            ids = np.array(indices)
+                        except (ValueError, RuntimeError):  # never computed: left uncounted
+                            continue
+                        runtime.route(layer, ids, compute=False)
 
 
 class HostExperts(nn.Module):

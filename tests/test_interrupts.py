@@ -397,6 +397,32 @@ def test_an_interrupt_while_deferred_routing_is_counted_loses_none_of_it(tiny_mo
     assert mlx_moestream.profile(model, "counted").counts.sum() == routed[0]
 
 
+def test_routing_counted_later_stays_whole_after_a_forward_call_cut_short(tiny_model,
+                                                                         monkeypatch):
+    """With every expert resident, routing is counted later, a forward call at a time: one cut
+    short midway (Ctrl-C in its second MoE layer) counts as far as it ran, and every call
+    after it counts in full."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%")
+    deferred = model.moestream.count_deferred.__self__
+    add, routed, armed = deferred.add, [0] * model.moestream.plan.num_layers, []
+
+    def adding(layer, indices):
+        if armed and layer == 1:
+            armed.pop()
+            raise KeyboardInterrupt
+        routed[layer] += len(np.unique(np.array(indices)))  # the call's distinct experts
+        add(layer, indices)
+
+    monkeypatch.setattr(deferred, "add", adding)
+    greedy_logits(model, decode_tokens=2)
+    armed.append(True)
+    with pytest.raises(KeyboardInterrupt):
+        greedy_logits(model, decode_tokens=2)
+    greedy_logits(model, decode_tokens=3)
+    layers = mlx_moestream.stats(model)["layers"]
+    assert [layer["hits"] + layer["misses"] for layer in layers] == routed
+
+
 def test_sigterm_while_a_chat_counts_its_calls_lands_after_them(tiny_model, monkeypatch):
     """`chat` ends on SIGTERM and saves what it counted: a SIGTERM while a call's counts are
     made lands once they all are, so none is counted again when the outputs are saved."""
