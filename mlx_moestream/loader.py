@@ -112,6 +112,7 @@ def load(
             runtime.host = (group.rank(), group.size())
         attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
         mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
+        store.drop_cached()
         if profile is not None:
             runtime.prewarm(profile, prewarm_share, pin_share, progress)
         return lazy_model, tokenizer

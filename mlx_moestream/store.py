@@ -618,6 +618,14 @@ class ExpertStore:
             for offset, _, _, buf in run.pieces:
                 os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
 
+    def drop_cached(self) -> None:
+        """Once a load has read what it needs (experts and dense weights), drop the files'
+        pages from the OS cache (Linux): reads in runs leave their gaps cached for the dense
+        weights, and readahead of concurrent reads caches past their edges."""
+        if self.drop_page_cache and self._fds is not None and hasattr(os, "posix_fadvise"):
+            for fd in self._fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def _verify(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> None:
         """A repacked expert's first read in a session is checked against the crc32 recorded
         at repack (about 0.2 ms per MiB here): a corrupt block is an error, never an input."""

@@ -60,25 +60,47 @@ def _cached_bytes(path) -> int:
     return sum(b & 1 for b in pages.raw) * mmap.PAGESIZE
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
-def test_expert_reads_leave_the_page_cache(tiny_model):
-    """The kernel drops only whole folios in a dropped range, and readahead caches large ones
-    across a read's edges: an exact range left half of the file cached after a session."""
+def _dropped(path) -> None:
+    """Drop a file from the page cache; skip where the file system keeps its pages."""
     import os
 
-    import mlx_moestream
-    from mlx_moestream.testing import greedy_logits
-
-    path = tiny_model("qwen3_moe", num_experts=16, num_layers=4, hidden_size=256,
-                      moe_intermediate_size=512)
-    model, _ = mlx_moestream.load(path, budget="25%")
-    shard = path / "model.safetensors"
-    fd = os.open(shard, os.O_RDONLY)  # what loading the dense weights left cached
+    fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)  # the fixture just wrote it: the kernel drops no page not yet written back
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    if _cached_bytes(shard):
+    if _cached_bytes(path):
         pytest.skip("this file system keeps the pages it is told to drop (tmpfs)")
+
+
+@pytest.fixture(scope="module")
+def page_cache_model(tiny_model):
+    return tiny_model("qwen3_moe", num_experts=16, num_layers=4, hidden_size=256,
+                      moe_intermediate_size=512)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
+def test_expert_reads_leave_the_page_cache(page_cache_model):
+    """The kernel drops only whole folios in a dropped range, and readahead caches large ones
+    across a read's edges: an exact range left half of the file cached after a session."""
+    import mlx_moestream
+    from mlx_moestream.testing import greedy_logits
+
+    model, _ = mlx_moestream.load(page_cache_model, budget="25%")
+    shard = page_cache_model / "model.safetensors"
+    _dropped(shard)  # what loading the dense weights left cached
     greedy_logits(model, decode_tokens=16)
     assert mlx_moestream.stats(model)["bytes_read"] > shard.stat().st_size
+    assert _cached_bytes(shard) <= shard.stat().st_size // 20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
+def test_a_load_that_reads_every_expert_leaves_the_page_cache(page_cache_model):
+    """Read in large runs, every expert at once, the files' pages stayed cached around each
+    run (its gaps kept for the dense weights, readahead past its edges)."""
+    import mlx_moestream
+
+    shard = page_cache_model / "model.safetensors"
+    _dropped(shard)
+    model, _ = mlx_moestream.load(page_cache_model, budget="100%")
+    assert mlx_moestream.stats(model)["bytes_read"] > 0.9 * shard.stat().st_size
     assert _cached_bytes(shard) <= shard.stat().st_size // 20
