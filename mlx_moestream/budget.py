@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import subprocess
@@ -132,7 +133,7 @@ def resolve_budget(
     below `min_bytes` (what the runtime needs) is an error that says where the memory went."""
     if spec is None:
         return expert_bytes
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+    if isinstance(spec, numbers.Real) and not isinstance(spec, bool):  # numpy's numbers too
         if not math.isfinite(spec):
             raise BudgetError(f"budget must be a finite number of bytes, got {spec!r}")
         budget = int(spec)

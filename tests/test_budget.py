@@ -1,5 +1,6 @@
 import subprocess
 
+import numpy as np
 import pytest
 
 import mlx_moestream
@@ -49,6 +50,11 @@ def test_auto_leaves_dense_weights_and_a_reserve_when_experts_do_not_fit():
 def test_a_budget_that_is_not_a_share_or_a_finite_size_is_a_clear_error(spec, problem):
     with pytest.raises(BudgetError, match=problem):
         resolve_budget(spec, expert_bytes=1000, dense_bytes=0)
+
+
+def test_a_budget_in_bytes_may_be_a_numpy_number():
+    assert resolve_budget(np.int64(300), expert_bytes=1000, dense_bytes=0) == 300
+    assert resolve_budget(np.float32(300), expert_bytes=1000, dense_bytes=0) == 300
 
 
 def test_a_size_of_hundreds_of_digits_is_exact_then_capped():
