@@ -416,7 +416,8 @@ def inspect(model, as_json, hosts, backend):
     try:
         if backend == "torch":
             plan = _torch_backend().plan_of(model)
-            info = {**plan.describe(), "min_budget_bytes": plan.budget_holding()}
+            info = {**plan.describe(), "min_budget_bytes": plan.budget_holding(),
+                    "min_budget_bytes_per_layer": plan.budget_holding(per_layer=True)}
         else:
             plan = load_lazy(resolve_model_path(model))[-1]
             info = plan.describe()
@@ -433,6 +434,7 @@ def inspect(model, as_json, hosts, backend):
     names = {"moe_layers": "MoE layers", "top_k": "top-k", "expert_bytes": "bytes per expert",
              "all_expert_bytes": "all experts", "dense_bytes": "dense weights",
              "min_budget_bytes": "minimum budget",
+             "min_budget_bytes_per_layer": "with --per-layer",
              "min_budget_bytes_per_host": "minimum per host"}
     for key, value in info.items():
         label = names.get(key, key.replace("_", " "))

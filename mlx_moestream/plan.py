@@ -99,14 +99,15 @@ class ModelPlan:
         """The smallest budget that gives every pool room for one token's top-k experts."""
         return self.budget_holding(self.top_k)
 
-    def budget_holding(self, experts: int | None = None) -> int:
+    def budget_holding(self, experts: int | None = None, per_layer: bool = False) -> int:
         """The smallest budget that gives every pool room for `experts` at once (default: all
-        the experts of one of its layers)."""
+        the experts of one of its layers), for each of its layers if `per_layer` (a split)."""
         need = 0
         for group in self.layer_groups():
             layer, group_bytes = self.layers[group[0]], self._group_bytes(group)
-            cost = min((experts or layer.num_experts) * layer.slot_bytes, group_bytes)  # see
-            need = max(need, -(-cost * self.expert_bytes // group_bytes))  # `pool_slots`
+            slots = (experts or layer.num_experts) * (len(group) if per_layer else 1)
+            cost = min(slots * layer.slot_bytes, group_bytes)  # see `pool_slots`
+            need = max(need, -(-cost * self.expert_bytes // group_bytes))
         return need
 
     @property
@@ -139,6 +140,7 @@ class ModelPlan:
             "all_expert_bytes": self.expert_bytes,
             "dense_bytes": self.dense_bytes,
             "min_budget_bytes": self.min_budget_bytes,
+            "min_budget_bytes_per_layer": self.budget_holding(self.top_k, per_layer=True),
         }
 
 

@@ -103,10 +103,12 @@ class Runtime:
         `per_layer` gives each layer its own share of a pool (`layer_weights`, e.g. from a
         profile, or uniform) instead of one budget shared by all layers. `whole_calls`: the
         backend cannot compute a call in `rounds`, so every expert of a layer must fit."""
-        need = plan.budget_holding() if whole_calls else plan.min_budget_bytes
+        need = plan.budget_holding(None if whole_calls else plan.top_k, per_layer)
         if budget_bytes < need:
             what = ("every expert of one layer must fit: the backend computes a call at once"
                     if whole_calls else f"one token's top-{plan.top_k} experts must fit")
+            if per_layer:
+                what += " in each layer's share of a per-layer split"
             raise BudgetError(f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is "
                               f"below the minimum {format_bytes(need)} ({need} bytes): {what}")
         self.plan = plan
@@ -148,16 +150,8 @@ class Runtime:
         for group, slots in zip(plan.layer_groups(), plan.pool_slots(budget_bytes)):
             layer_slots = None
             if per_layer:
-                room = self.call_experts
-                if slots < len(group) * room:
-                    what = "every expert" if whole_calls else f"top-{plan.top_k}"
-                    raise BudgetError(
-                        f"budget {format_bytes(budget_bytes)} gives {slots} slots: a per-layer "
-                        f"split needs {what} for each of {len(group)} layers "
-                        f"({len(group) * room} slots)"
-                    )
                 weights = np.ones(len(group)) if layer_weights is None else layer_weights[group]
-                layer_slots = split_slots(slots, weights, room, plan.num_experts)
+                layer_slots = split_slots(slots, weights, self.call_experts, plan.num_experts)
             pool = new_pool(plan.layers[group[0]], slots)
             cache = ExpertCache(slots, group, plan.num_experts, plan.num_layers, policy, layer_slots)
             self.pools.append(pool)

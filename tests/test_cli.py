@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from mlx_moestream.budget import format_bytes
 
 CLI = [sys.executable, "-m", "mlx_moestream.cli"]
 
@@ -29,6 +30,20 @@ def test_inspect_prints_the_minimum_budget(tiny_model):
     out = run("inspect", "--model", tiny_model("qwen3_moe"))
     assert out.returncode == 0, out.stderr
     assert "minimum budget: 48.0 KiB (49152 bytes)" in out.stdout
+
+
+def test_inspect_prints_the_minimum_of_a_per_layer_split_and_it_loads(tiny_model):
+    path = tiny_model("qwen3_moe")
+    out = run("inspect", "--model", path, "--json")
+    need = json.loads(out.stdout)["min_budget_bytes_per_layer"]
+    assert need == 2 * json.loads(out.stdout)["min_budget_bytes"]  # 2 layers, each its top-k
+    out = run("chat", "--model", path, "--prompt", "hi", "--max-tokens", 2, "--per-layer",
+              "--budget", need - 1)
+    assert f"below the minimum {format_bytes(need)} ({need} bytes)" in out.stderr
+    assert "per-layer split" in out.stderr and "Traceback" not in out.stderr
+    out = run("chat", "--model", path, "--prompt", "hi", "--max-tokens", 2, "--per-layer",
+              "--budget", need)
+    assert out.returncode == 0, out.stderr
 
 
 def test_inspect_json_describes_the_model(tiny_model):
