@@ -431,13 +431,13 @@ def test_chat_decode_speed_leaves_out_the_prompt(hf_model, monkeypatch, capsys):
 
     def slow_prompt(input_ids=None, **kwargs):
         if input_ids.shape[-1] > 1:
-            time.sleep(1.0)
+            time.sleep(3.0)  # a decode of 8 tokens takes well under 2 s, even on a busy machine
         return forward(input_ids=input_ids, **kwargs)
 
     monkeypatch.setattr(model, "forward", slow_prompt)
     _, timing = cli._torch_reply(model, tokenizer, 8, 0.0, [{"role": "user", "content": "Ciao"}])
-    assert timing.generation_tokens == 8 and timing.generation_tps > 8 / 0.5
-    assert timing.prompt_tps < timing.prompt_tokens / 1.0
+    assert timing.generation_tokens == 8 and timing.generation_tps > 8 / 2.0
+    assert timing.prompt_tps < timing.prompt_tokens / 3.0
 
 
 @pytest.mark.parametrize("args, message", [
