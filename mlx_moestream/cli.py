@@ -438,7 +438,7 @@ def inspect(model, as_json, hosts, backend):
              "min_budget_bytes_per_host": "minimum per host"}
     for key, value in info.items():
         label = names.get(key, key.replace("_", " "))
-        shown = f"{format_bytes(value)} ({value} bytes)" if key.endswith("bytes") else value
+        shown = f"{format_bytes(value)} ({value} bytes)" if "_bytes" in key else value
         click.echo(f"{label:>17}: {shown}")
 
 

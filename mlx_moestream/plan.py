@@ -105,7 +105,8 @@ class ModelPlan:
         need = 0
         for group in self.layer_groups():
             layer, group_bytes = self.layers[group[0]], self._group_bytes(group)
-            slots = (experts or layer.num_experts) * (len(group) if per_layer else 1)
+            n = min(experts or layer.num_experts, layer.num_experts)  # a host's share may
+            slots = n * (len(group) if per_layer else 1)  # hold fewer than top-k
             cost = min(slots * layer.slot_bytes, group_bytes)  # see `pool_slots`
             need = max(need, -(-cost * self.expert_bytes // group_bytes))
         return need

@@ -80,6 +80,25 @@ def test_inspect_gives_the_minimum_budget_per_host(tiny_model):
     assert info["min_budget_bytes_per_host"] == info["top_k"] * info["expert_bytes"]
 
 
+def test_inspect_prints_every_minimum_in_bytes(tiny_model):
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "inspect", "--model",
+                          str(tiny_model("qwen3_moe")), "--hosts", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert re.search(r"minimum per host: [\d.]+ KiB \(\d+ bytes\)", out.stdout), out.stdout
+    assert re.search(r"with --per-layer: [\d.]+ KiB \(\d+ bytes\)", out.stdout), out.stdout
+
+
+def test_a_host_holding_fewer_experts_of_a_layer_than_top_k_needs_only_those(tiny_model):
+    """8 experts over 3 hosts, top-3: host 0 holds 2 of each layer, and a call routes to at
+    most those 2 of its own."""
+    from mlx_moestream.loader import load_lazy
+
+    plan = load_lazy(tiny_model("qwen3_moe", num_experts_per_tok=3))[-1]
+    share = plan.host_share(0, 3)
+    assert share.layers[0].num_experts == 2
+    assert share.min_budget_bytes == 2 * share.layers[0].slot_bytes  # one pool for both layers
+
+
 def test_the_readme_two_host_command_runs_as_written():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     command = re.search(r"^(mlx\.launch --backend ring -n 2 -- mlx-moestream chat .*)$", readme,
