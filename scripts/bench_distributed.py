@@ -97,9 +97,10 @@ def main(budget: str, tokens: int, layers: int, experts: int, hidden: int, worke
             [shutil.which("mlx.launch"), "--backend", "ring", "-n", "2", "--", sys.executable,
              __file__, "--worker", str(path), "--budget", _half(budget), "--tokens", str(tokens)],
             capture_output=True, text=True, timeout=1800)
-        if launched.returncode:
-            raise click.ClickException(launched.stderr[-2000:])
-        two = json.loads(launched.stdout.strip().splitlines()[-1])
+        results = [l for l in launched.stdout.splitlines() if l.startswith("{")]
+        if launched.returncode or not results:  # mlx.launch exits 0 when a host fails
+            raise click.ClickException(f"the two-host run failed: {launched.stderr[-2000:]}")
+        two = json.loads(results[-1])
     exchange = layers * 8 * hidden * 4
     click.echo(json.dumps({
         "model": {"layers": layers, "experts": experts, "top_k": 8, "hidden": hidden},
@@ -114,8 +115,8 @@ def main(budget: str, tokens: int, layers: int, experts: int, hidden: int, worke
 
 def _half(budget: str) -> str:
     """The same bytes B as a share of one host's experts (half of them): a host's budget is
-    a share of its own experts."""
-    return f"{float(budget[:-1]) * 2:g}%" if budget.endswith("%") else budget
+    a share of its own experts, all of them from B = 50% on."""
+    return f"{min(float(budget[:-1]) * 2, 100):g}%" if budget.endswith("%") else budget
 
 
 if __name__ == "__main__":
