@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -142,10 +142,10 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                                         per_layer=per_layer, prefetch=prefetch, progress=_progress,
                                         distributed=distributed)
             reply = partial(_mlx_reply, lm, tokenizer, max_tokens, temp)
+        if distributed:
+            _join_hosts(lm)
     except (ValueError, OSError, RuntimeError) as e:
         _fail(e)
-    if distributed:
-        _join_hosts(lm)
     if trace_path:
         session.start_trace(lm)
     history: list[dict] = []
@@ -165,7 +165,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             if prompt is not None:
                 answer(prompt)
             elif distributed:  # a host that failed or was interrupted mid-answer would leave
-                _interactive(answer, _read_on_host_0, fatal=True)  # the others waiting
+                _interactive(answer, partial(_read_on_host_0, lm.moestream.watchdog),
+                             fatal=True)  # the others waiting
             else:
                 _interactive(answer)
     except KeyboardInterrupt:  # ends an interactive chat; a --prompt answer is cut short
@@ -314,29 +315,37 @@ def _join_hosts(lm) -> None:
     import mlx.core as mx
 
     rank = lm.moestream.host[0]
-    seed = int(mx.distributed.all_sum(mx.array(int.from_bytes(os.urandom(3), "big") if rank == 0
-                                               else 0)).item())
-    mx.random.seed(seed)
+    seed = mx.distributed.all_sum(mx.array(int.from_bytes(os.urandom(3), "big") if rank == 0
+                                           else 0))
+    with lm.moestream.watchdog:
+        mx.random.seed(int(seed.item()))
     if rank:
         sys.stdout = open(os.devnull, "w")
 
 
-def _read_on_host_0(prompt: str) -> str:
-    """Host 0 reads a line and every host gets it (EOFError on every host at its end)."""
+def _read_on_host_0(watchdog, prompt: str) -> str:
+    """Host 0 reads a line and every host gets it (EOFError on every host at its end). The
+    others wait for it as long as the user takes; host 0 waits for them under `watchdog`. A
+    line that is not UTF-8 is refused on host 0, which reads another."""
     import mlx.core as mx
 
-    line = None
-    if mx.distributed.init().rank() == 0:
+    line, host_0 = None, mx.distributed.init().rank() == 0
+    while host_0:
         try:
             line = input(prompt)
+            _check_text(line, "the message")
+            break
         except EOFError:
-            pass
+            break
+        except ValueError as e:
+            click.echo(f"Error: {e}", err=True)
     data = list(line.encode()) if line is not None else []
-    size = int(mx.distributed.all_sum(mx.array(len(data) + 1 if line is not None else 0)).item())
-    if size == 0:
-        raise EOFError
-    text = mx.distributed.all_sum(mx.array(data + [0] * (size - 1 - len(data)), mx.int32))
-    return bytes(text.tolist()).decode()
+    with watchdog if host_0 else nullcontext():
+        size = int(mx.distributed.all_sum(mx.array(len(data) + 1 if line is not None else 0)).item())
+        if size == 0:
+            raise EOFError
+        text = mx.distributed.all_sum(mx.array(data + [0] * (size - 1 - len(data)), mx.int32))
+        return bytes(text.tolist()).decode()
 
 
 def _format_hosts(stats: dict) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import math
+import numbers
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -89,33 +91,54 @@ def load(
     an exchange waiting longer than `timeout_seconds` ends the process with an error.
     """
     check_options(policy, prewarm_share, pin_share, window_tokens)
+    if distributed and not (isinstance(timeout_seconds, numbers.Real)
+                            and 0 < timeout_seconds < math.inf):
+        raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
     group = _host_group() if distributed else None
     if group is not None and (profile is not None or prefetch or per_layer):
         raise ValueError("distributed loads take no profile, prefetch or per-layer split yet")
     with gc_paused():
-        path = resolve_model_path(model, revision)
-        lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
+        try:
+            lazy_model, tokenizer = _load(model, budget, policy, profile, prewarm_share,
+                                          pin_share, per_layer, prefetch, drop_page_cache,
+                                          progress, revision, window_tokens, group,
+                                          timeout_seconds)
+        except Exception as e:
+            if group is None:
+                raise
+            _join(group, None, e)
         if group is not None:
-            try:
-                plan = plan.host_share(group.rank(), group.size())
-            except ValueError as e:
-                raise ModelError(f"{path}: {e}") from None
-        budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                      plan.dense_bytes, memory_bytes(), plan.min_budget_bytes)
-        if profile is not None:
-            profile = as_profile(profile)
-            profile.check_model(plan.identity)
-        weights = profile.working_set() if per_layer and profile is not None else None
-        runtime = Runtime(plan, store, budget_bytes, MLXSlotPool, policy, window_tokens, per_layer,
-                          weights)
-        if group is not None:
-            runtime.host = (group.rank(), group.size())
-        attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
-        mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
-        store.drop_cached()
-        if profile is not None:
-            runtime.prewarm(profile, prewarm_share, pin_share, progress)
+            _join(group, lazy_model.moestream.store.fingerprint())
         return lazy_model, tokenizer
+
+
+def _load(model, budget, policy, profile, prewarm_share, pin_share, per_layer, prefetch,
+          drop_page_cache, progress, revision, window_tokens, group, timeout_seconds
+          ) -> tuple[nn.Module, TokenizerWrapper]:
+    """`load` on this host."""
+    path = resolve_model_path(model, revision)
+    lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
+    if group is not None:
+        try:
+            plan = plan.host_share(group.rank(), group.size())
+        except ValueError as e:
+            raise ModelError(f"{path}: {e}") from None
+    budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
+                                  plan.dense_bytes, memory_bytes(), plan.min_budget_bytes)
+    if profile is not None:
+        profile = as_profile(profile)
+        profile.check_model(plan.identity)
+    weights = profile.working_set() if per_layer and profile is not None else None
+    runtime = Runtime(plan, store, budget_bytes, MLXSlotPool, policy, window_tokens, per_layer,
+                      weights)
+    if group is not None:
+        runtime.host = (group.rank(), group.size())
+    attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
+    mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
+    store.drop_cached()
+    if profile is not None:
+        runtime.prewarm(profile, prewarm_share, pin_share, progress)
+    return lazy_model, tokenizer
 
 
 @contextmanager
@@ -130,6 +153,34 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _join(group, digest: bytes | None, error: Exception | None = None) -> None:
+    """Every host's load ends here, together (a collective: a slow load does not count
+    against another host's exchange timeout). A host that failed raises its error, the others
+    name it; hosts whose checkpoints differ (`ExpertStore.fingerprint`) refuse to run: the
+    sum of their experts' outputs would be another model's. Returns on every host or none."""
+    mine = np.zeros(9, np.int32)  # loaded, then the digest's first 32 bytes
+    if error is None:
+        mine[0], mine[1:] = 1, np.frombuffer(digest[:32], np.int32)
+    hosts = mx.distributed.all_gather(mx.array(mine), group=group)
+    try:
+        mx.eval(hosts)  # see `host_stats`
+    except RuntimeError as lost:  # a host ended during its load (Ctrl-C, killed)
+        if error is not None:
+            raise error
+        raise ModelError(f"a host ended before every host had loaded the model ({lost})") from None
+    if error is not None:
+        raise error
+    hosts = np.array(hosts).reshape(-1, 9)
+    failed = [str(h) for h in range(len(hosts)) if not hosts[h, 0]]
+    if failed:
+        raise ModelError(f"host {', '.join(failed)} could not load the model (its error is in "
+                         "its output)")
+    other = [str(h) for h in range(len(hosts)) if (hosts[h] != hosts[0]).any()]
+    if other:
+        raise ModelError(f"host {', '.join(other)} has another checkpoint than host 0 (files, "
+                         "sizes or bytes differ): every host needs the same model")
 
 
 def _host_group():
@@ -150,6 +201,8 @@ def host_stats(model: nn.Module) -> dict:
     runtime = runtime_of(model)
     mine = runtime.stats_dict()
     hosts = mx.distributed.all_gather(mx.array([int(mine[k]) for k in HOST_COUNTERS], mx.int64))
+    with runtime.watchdog:  # evaluated first: `np.array` of a collective a lost host made
+        mx.eval(hosts)  # fail returns what it holds (zeros), where `mx.eval` raises
     rows = np.array(hosts).reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
     per_host = [dict(zip(HOST_COUNTERS, row)) for row in rows]
     total = {k: sum(h[k] for h in per_host) for k in HOST_COUNTERS[1:]}

@@ -346,13 +346,13 @@ class HostExperts(nn.Module):
     exactly the single host's (x + 0 is x). Selecting, not multiplying, keeps whatever a
     position of another host's expert computed here (from any slot) out of the sum."""
 
-    def __init__(self, local: nn.Module, first: int, count: int, group, watchdog: "Watchdog"):
+    def __init__(self, local: nn.Module, first: int, count: int, group, runtime: Runtime):
         super().__init__()
         self.local = local  # StreamingExperts or ResidentExperts: a child, see `PooledExperts`
         object.__setattr__(self, "first", first)
         object.__setattr__(self, "count", count)
         object.__setattr__(self, "group", group)
-        object.__setattr__(self, "watchdog", watchdog)
+        object.__setattr__(self, "runtime", runtime)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if isinstance(self.local, StreamingExperts):  # it syncs for the ids anyway: once here
@@ -363,8 +363,9 @@ class HostExperts(nn.Module):
             if owned.any():
                 y = self.local(x, mx.array(ids))
             else:  # none of this call is ours: its tokens count, and zeros of the output's
-                runtime = self.local.runtime  # shape and dtype go out (the probe's graph is
-                with runtime.lock:  # never evaluated)
+                runtime = self.runtime  # shape and dtype go out (the probe's graph is never
+                runtime.count_sync()  # evaluated); the ids' read was a wait, as the local's is
+                with runtime.lock:
                     runtime.route(self.local.layer, ids, compute=False)
                 probe = self.local.inner(x, mx.zeros(indices.shape, mx.uint32))
                 y = mx.zeros(probe.shape, probe.dtype)
@@ -375,8 +376,9 @@ class HostExperts(nn.Module):
             y = self.local(x, mx.where(owned, ids, -1))
         y = mx.where(owned[..., None], y, 0)
         y = mx.distributed.all_sum(y, group=self.group)
-        with self.watchdog:
+        with self.runtime.watchdog:
             mx.eval(y)
+        self.runtime.count_sync()
         return y
 
 
@@ -426,7 +428,8 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
     streamed = []
     in_flight = InFlight()
     runtime.settle = in_flight.wait
-    watchdog = Watchdog(timeout_seconds) if group is not None else None
+    if group is not None:
+        runtime.watchdog = Watchdog(timeout_seconds)
     for i, (path, module) in enumerate(found):
         parent_path, attr = path.rsplit(".", 1)
         parent = _get_path(model, parent_path)
@@ -439,7 +442,7 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
             streamed.append((experts, _router(parent, runtime.plan.layers[i].num_experts)))
         if group is not None:
             layer = runtime.plan.layers[i]
-            experts = HostExperts(experts, layer.first_expert, layer.num_experts, group, watchdog)
+            experts = HostExperts(experts, layer.first_expert, layer.num_experts, group, runtime)
         setattr(parent, attr, experts)
     model.moestream = runtime
     if prefetch:

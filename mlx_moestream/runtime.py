@@ -133,6 +133,8 @@ class Runtime:
         self.settle: Callable[[], None] = lambda: None
         self.prewarm_info: dict | None = None
         self.host = (0, 1)  # (this host, hosts) under expert parallelism
+        # wraps a wait on the other hosts: ends the process when they stop answering
+        self.watchdog: AbstractContextManager = nullcontext()
         self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
         self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
         self.store_layer = [

@@ -618,6 +618,21 @@ class ExpertStore:
             for offset, _, _, buf in run.pieces:
                 os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
 
+    def fingerprint(self, samples: int = 16, sample_bytes: int = 4096) -> bytes:
+        """A digest of the checkpoint's files: names, sizes and `samples` blocks spread over
+        each. Two hosts with another fine-tune, quantization or seed under the same path
+        differ in it (almost surely in every block), at the cost of a few small reads."""
+        self.open()
+        digest = hashlib.sha256()
+        originals = self.files[: len(self.files) - bool(self.repacked)]  # not experts.bin
+        for path, fd in zip(originals, self._fds):
+            size = os.fstat(fd).st_size
+            digest.update(f"{path.name}:{size}".encode())
+            for i in range(samples):
+                digest.update(os.pread(fd, sample_bytes, i * max(size - sample_bytes, 0)
+                                       // max(samples - 1, 1)))
+        return digest.digest()
+
     def drop_cached(self) -> None:
         """Once a load has read what it needs (experts and dense weights), drop the files'
         pages from the OS cache (Linux): reads in runs leave their gaps cached for the dense

@@ -1,21 +1,31 @@
 """Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: host 1 hangs or
-exits after loading; host 0 must end with a clear error, not wait forever."""
+exits after loading; host 0 must end with a clear error, not wait forever, whatever it waits
+for: a forward call (`decode`), the hosts' statistics (`stats`), or its input line reaching
+the others (`line`, as `chat` sends it)."""
 
+import builtins
 import os
 import sys
 import time
 
 import mlx_moestream
+from mlx_moestream import cli
 from mlx_moestream.testing import greedy_logits
 
-path, mode = sys.argv[1], sys.argv[2]
+path, mode, step = sys.argv[1], sys.argv[2], sys.argv[3]
 model, _ = mlx_moestream.load(path, budget="60%", distributed=True, timeout_seconds=3)
 if model.moestream.host[0] == 1:
     if mode == "hang":
         time.sleep(600)
     os._exit(0)
+builtins.input = lambda prompt: "Ciao"
 try:
-    greedy_logits(model, decode_tokens=4)
+    if step == "decode":
+        greedy_logits(model, decode_tokens=4)
+    elif step == "stats":
+        mlx_moestream.host_stats(model)
+    else:
+        cli._read_on_host_0(model.moestream.watchdog, ">>> ")
 except RuntimeError as e:
     print(f"Error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)

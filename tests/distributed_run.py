@@ -48,6 +48,8 @@ stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
     "evictions": stats["evictions"],
     "loads": stats["loads"],
     "bytes_read": stats["bytes_read"],
+    "syncs": stats["syncs"],
+    "layer_calls": 13 * model.moestream.plan.num_layers,  # a prompt and 12 tokens
     "own_reads": reads_only_its_experts(model.moestream),
     "combined_loads": hosts["combined"]["loads"],
     "profile_refused": refused(lambda: mlx_moestream.save_profile(model, out / "p.json")),

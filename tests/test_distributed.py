@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import mlx_moestream
+
 RUN = Path(__file__).with_name("distributed_run.py")
 LAUNCH = shutil.which("mlx.launch")
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
@@ -37,6 +39,7 @@ def test_two_hosts_match_one_stock_process_bit_for_bit(tiny_model, tmp_path, arc
     hosts = run_hosts(tiny_model(arch, bits=bits), "60%", tmp_path)
     for h in hosts:
         assert h["equal"] and h["own_reads"] and h["evictions"] > 0
+        assert h["syncs"] == 2 * h["layer_calls"]  # its routed ids, then the exchange
     assert hosts[0]["combined_loads"] == sum(h["loads"] for h in hosts)
 
 
@@ -49,17 +52,46 @@ def test_a_host_refuses_to_record_a_profile_or_a_trace(tiny_model, tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("step", ["decode", "stats", "line"])
 @pytest.mark.parametrize("mode, message", [
     ("hang", "no answer from the other hosts for 3 s"),
     ("exit", "connection to a peer was lost"),
 ])
-def test_a_lost_host_ends_the_others_with_a_clear_error(tiny_model, mode, message):
+def test_a_lost_host_ends_the_others_with_a_clear_error(tiny_model, mode, message, step):
     start = time.monotonic()
     out = launch(Path(__file__).with_name("distributed_lost_host.py"), tiny_model("qwen3_moe"),
-                 mode, timeout=120)
+                 mode, step, timeout=120)
     assert message in out.stderr  # mlx.launch itself exits 0: it reports each rank's code
     assert "rank 0 exited with code 1" in out.stderr
     assert time.monotonic() - start < 60
+
+
+def load_on_hosts(path0, budget0, path1, budget1) -> list[str]:
+    """Each host's line from `distributed_load.py`, in host order."""
+    out = launch(Path(__file__).with_name("distributed_load.py"), path0, budget0, path1, budget1,
+                 timeout=120)
+    return sorted(line for line in out.stdout.splitlines() if line.startswith("host "))
+
+
+def test_hosts_with_different_checkpoints_refuse_to_run(tiny_model):
+    """The same config and layout, other weights: the exchanged outputs would be another
+    model's. Every host refuses."""
+    lines = load_on_hosts(tiny_model("qwen3_moe"), "60%", tiny_model("qwen3_moe", seed=1), "60%")
+    assert len(lines) == 2
+    assert all("host 1 has another checkpoint than host 0" in line for line in lines), lines
+
+
+def test_a_load_failing_on_one_host_fails_every_host_in_one_line(tiny_model):
+    path = tiny_model("qwen3_moe")
+    lines = load_on_hosts(path, "60%", path, "1KiB")
+    assert "could not load the model" in lines[0] and "host 1" in lines[0], lines
+    assert "below the minimum" in lines[1], lines
+
+
+def test_a_distributed_load_refuses_a_timeout_that_is_not_a_positive_number():
+    for bad in (0, -1, None, float("inf")):
+        with pytest.raises(ValueError, match="timeout_seconds must be a positive number"):
+            mlx_moestream.load(None, distributed=True, timeout_seconds=bad)
 
 
 def test_chat_on_two_hosts_answers_once_with_every_host_s_statistics(tiny_model):
@@ -69,6 +101,31 @@ def test_chat_on_two_hosts_answers_once_with_every_host_s_statistics(tiny_model)
                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("generated at") == 1 and "all 2 hosts: hit rate" in out.stdout
+
+
+def test_chat_whose_load_fails_on_one_host_ends_every_host_in_one_line(tiny_model):
+    budget = '$([ "$MLX_RANK" = 1 ] && echo 1KiB || echo 60%)'  # too small on host 1 alone
+    chat = (f"{sys.executable} -m mlx_moestream.cli chat --model {tiny_model('qwen3_moe')} "
+            f"--distributed --budget {budget} --prompt Ciao --max-tokens 4")
+    out = subprocess.run([LAUNCH, "--backend", "ring", "-n", "2", "--", "sh", "-c", chat],
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(errors) == 2 and any("host 1 could not load the model" in e for e in errors)
+    assert any("below the minimum" in e for e in errors), errors
+
+
+def test_host_0_refuses_a_line_that_is_not_utf8_and_reads_another(monkeypatch, capsys):
+    """Encoding it for the others failed and ended every host's chat; a single host's chat
+    says so and goes on."""
+    from contextlib import nullcontext
+
+    from mlx_moestream import cli
+
+    lines = iter(["caf\udce9", "Ciao"])  # a Latin-1 byte, as Python decodes stdin
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    assert cli._read_on_host_0(nullcontext(), ">>> ") == "Ciao"
+    assert "the message is not UTF-8 text" in capsys.readouterr().err
 
 
 def test_inspect_gives_the_minimum_budget_per_host(tiny_model):
