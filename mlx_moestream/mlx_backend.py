@@ -221,6 +221,7 @@ class StreamingExperts(PooledExperts):
         for pos, slots in self.runtime.rounds(self.layer, ids):
             outs.append((pos, self._rows(x, ids, pos, slots)))
             mx.eval(outs[-1][1])  # the next round may overwrite these slots
+            self.runtime.count_sync()
         return _gathered(outs, ids.shape)
 
     def _in_chunks(self, x: mx.array, ids: np.ndarray, chunks) -> mx.array:

@@ -429,6 +429,23 @@ def test_a_streamed_layer_syncs_once_per_call_for_its_ids(tiny_model):
 
 
 
+def test_a_call_computed_in_rounds_counts_the_wait_of_each_round(tiny_model, monkeypatch):
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget=min_budget(path))
+    runtime, made = model.moestream, [0]
+    rounds = runtime.rounds
+
+    def counted(layer, ids):
+        for part in rounds(layer, ids):
+            made[0] += 1
+            yield part
+
+    monkeypatch.setattr(runtime, "rounds", counted)
+    greedy_logits(model)
+    assert made[0] > 0  # the prompt's calls
+    assert runtime.stats.syncs == 33 * len(runtime.plan.layers) + made[0]
+
+
 @pytest.mark.parametrize("budget", ["50%", "100%"])
 def test_a_streamed_layer_call_converts_nothing_stock_does_not(tiny_model, budget, monkeypatch):
     """Slots go into the experts' matmuls as stock's uint32 ids: any other dtype costs a
