@@ -103,12 +103,13 @@ def load(
                                           pin_share, per_layer, prefetch, drop_page_cache,
                                           progress, revision, window_tokens, group,
                                           timeout_seconds)
+            digest = lazy_model.moestream.store.fingerprint() if group is not None else None
         except Exception as e:
             if group is None:
                 raise
             _join(group, None, e)
         if group is not None:
-            _join(group, lazy_model.moestream.store.fingerprint())
+            _join(group, digest)
         return lazy_model, tokenizer
 
 
