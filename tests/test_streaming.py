@@ -429,11 +429,9 @@ def test_a_streamed_layer_syncs_once_per_call_for_its_ids(tiny_model):
 
 
 
-def test_a_call_computed_in_rounds_counts_the_wait_of_each_round(tiny_model, monkeypatch):
-    path = tiny_model("qwen3_moe", bits=4)
-    model, _ = mlx_moestream.load(path, budget=min_budget(path))
-    runtime, made = model.moestream, [0]
-    rounds = runtime.rounds
+def count_rounds(runtime, monkeypatch) -> list[int]:
+    """A counter of the rounds `runtime` computes calls in (each waits: a host sync)."""
+    made, rounds = [0], runtime.rounds
 
     def counted(layer, ids):
         for part in rounds(layer, ids):
@@ -441,9 +439,16 @@ def test_a_call_computed_in_rounds_counts_the_wait_of_each_round(tiny_model, mon
             yield part
 
     monkeypatch.setattr(runtime, "rounds", counted)
+    return made
+
+
+def test_a_call_computed_in_rounds_counts_the_wait_of_each_round(tiny_model, monkeypatch):
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget=min_budget(path))
+    rounds = count_rounds(model.moestream, monkeypatch)
     greedy_logits(model)
-    assert made[0] > 0  # the prompt's calls
-    assert runtime.stats.syncs == 33 * len(runtime.plan.layers) + made[0]
+    assert rounds[0] > 0  # the prompt's calls
+    assert model.moestream.stats.syncs == 33 * len(model.moestream.plan.layers) + rounds[0]
 
 
 @pytest.mark.parametrize("budget", ["50%", "100%"])
@@ -538,12 +543,13 @@ def test_a_layer_whose_prefetch_does_not_pay_is_predicted_on_one_token_in_eight(
     assert 0 < len(predictions) <= (layers - 1) * (33 // prefetch.PREFETCH_PROBE + 1)
 
 
-def test_a_prediction_shares_the_host_sync_of_the_calls_routed_ids(tiny_model):
+def test_a_prediction_shares_the_host_sync_of_the_calls_routed_ids(tiny_model, monkeypatch):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%", prefetch=True)
+    rounds = count_rounds(model.moestream, monkeypatch)  # the prompt's, which predict nothing
     greedy_logits(model)
     stats = model.moestream.stats
     assert stats.predicted.sum() > 0
-    assert stats.syncs == 33 * len(model.moestream.plan.layers)
+    assert stats.syncs == 33 * len(model.moestream.plan.layers) + rounds[0]
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
