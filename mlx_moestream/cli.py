@@ -341,7 +341,7 @@ def _read_on_host_0(watchdog, prompt: str) -> str:
             click.echo(f"Error: {e}", err=True)
     data = list(line.encode()) if line is not None else []
     with watchdog if host_0 else nullcontext():
-        size = int(mx.distributed.all_sum(mx.array(len(data) + 1 if line is not None else 0)).item())
+        size = mx.distributed.all_sum(mx.array(len(data) + 1 if line is not None else 0)).item()
         if size == 0:
             raise EOFError
         text = mx.distributed.all_sum(mx.array(data + [0] * (size - 1 - len(data)), mx.int32))

@@ -98,12 +98,30 @@ def load(
     if group is not None and (profile is not None or prefetch or per_layer):
         raise ValueError("distributed loads take no profile, prefetch or per-layer split yet")
     with gc_paused():
-        try:
-            lazy_model, tokenizer = _load(model, budget, policy, profile, prewarm_share,
-                                          pin_share, per_layer, prefetch, drop_page_cache,
-                                          progress, revision, window_tokens, group,
-                                          timeout_seconds)
-            digest = lazy_model.moestream.store.fingerprint() if group is not None else None
+        try:  # with other hosts, each ends its load in `_join`, failed or not
+            path = resolve_model_path(model, revision)
+            lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
+            if group is not None:
+                try:
+                    plan = plan.host_share(group.rank(), group.size())
+                except ValueError as e:
+                    raise ModelError(f"{path}: {e}") from None
+            budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
+                                          plan.dense_bytes, memory_bytes(), plan.min_budget_bytes)
+            if profile is not None:
+                profile = as_profile(profile)
+                profile.check_model(plan.identity)
+            weights = profile.working_set() if per_layer and profile is not None else None
+            runtime = Runtime(plan, store, budget_bytes, MLXSlotPool, policy, window_tokens,
+                              per_layer, weights)
+            if group is not None:
+                runtime.host = (group.rank(), group.size())
+            attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
+            mx.eval(lazy_model.parameters())  # the dense weights; experts left the tree
+            store.drop_cached()
+            if profile is not None:
+                runtime.prewarm(profile, prewarm_share, pin_share, progress)
+            digest = store.fingerprint() if group is not None else None
         except Exception as e:
             if group is None:
                 raise
@@ -111,35 +129,6 @@ def load(
         if group is not None:
             _join(group, digest)
         return lazy_model, tokenizer
-
-
-def _load(model, budget, policy, profile, prewarm_share, pin_share, per_layer, prefetch,
-          drop_page_cache, progress, revision, window_tokens, group, timeout_seconds
-          ) -> tuple[nn.Module, TokenizerWrapper]:
-    """`load` on this host."""
-    path = resolve_model_path(model, revision)
-    lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
-    if group is not None:
-        try:
-            plan = plan.host_share(group.rank(), group.size())
-        except ValueError as e:
-            raise ModelError(f"{path}: {e}") from None
-    budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                  plan.dense_bytes, memory_bytes(), plan.min_budget_bytes)
-    if profile is not None:
-        profile = as_profile(profile)
-        profile.check_model(plan.identity)
-    weights = profile.working_set() if per_layer and profile is not None else None
-    runtime = Runtime(plan, store, budget_bytes, MLXSlotPool, policy, window_tokens, per_layer,
-                      weights)
-    if group is not None:
-        runtime.host = (group.rank(), group.size())
-    attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
-    mx.eval(lazy_model.parameters())  # the dense weights; experts are no longer in the tree
-    store.drop_cached()
-    if profile is not None:
-        runtime.prewarm(profile, prewarm_share, pin_share, progress)
-    return lazy_model, tokenizer
 
 
 @contextmanager
@@ -161,16 +150,16 @@ def _join(group, digest: bytes | None, error: Exception | None = None) -> None:
     against another host's exchange timeout). A host that failed raises its error, the others
     name it; hosts whose checkpoints differ (`ExpertStore.fingerprint`) refuse to run: the
     sum of their experts' outputs would be another model's. Returns on every host or none."""
-    mine = np.zeros(9, np.int32)  # loaded, then the digest's first 32 bytes
+    mine = np.zeros(9, np.int32)  # loaded, then the digest's 32 bytes
     if error is None:
-        mine[0], mine[1:] = 1, np.frombuffer(digest[:32], np.int32)
+        mine[0], mine[1:] = 1, np.frombuffer(digest, np.int32)
     hosts = mx.distributed.all_gather(mx.array(mine), group=group)
     try:
         mx.eval(hosts)  # see `host_stats`
     except RuntimeError as lost:  # a host ended during its load (Ctrl-C, killed)
-        if error is not None:
-            raise error
-        raise ModelError(f"a host ended before every host had loaded the model ({lost})") from None
+        if error is None:
+            raise ModelError(f"a host ended before every host had loaded the model ({lost})"
+                             ) from None
     if error is not None:
         raise error
     hosts = np.array(hosts).reshape(-1, 9)
