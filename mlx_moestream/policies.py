@@ -420,7 +420,8 @@ class LayerCyclic(Policy):
         self.latest[layer], self.call_stamp[layer], self.ranked[layer] = keys, call, None
         self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
-        self._note(layer)
+        self._value[layer] = min(least + self.bonus_latest,  # `_note`, inlined: per call
+                                 (heap[0][0] if heap else _INF) + self.bonus_old)
 
     def warm(self, keys: list[int]) -> None:
         for key in keys:
@@ -454,21 +455,26 @@ class LayerCyclic(Policy):
             least = self.least_latest[position]  # all count as old
             if heap and heap[0][0] < least:
                 least = heap[0][0]
-            score[position] = _score(self.layers, least + self.bonus_old)
-            layer = int(score.argmax())
+            # the current layer is tried first: it is usually the best (farthest from its call)
+            layer, own = position, _score(self.layers, least + self.bonus_old)
+            score[layer] = -1.0
+            rival = int(score.argmax())  # the next best layer
             while True:
-                if score.item(layer) <= 0:
+                bar = score.item(rival)
+                if own < bar or (own == bar and rival < layer):  # the rival is the best
+                    score[layer] = own
+                    layer, own = rival, bar
+                    score[layer] = -1.0
+                    rival = int(score.argmax())  # no better than the layer it follows
+                    bar = score.item(rival)
+                if own <= 0:
                     raise _all_in_use()
-                score[layer] = -1.0
-                rival = int(score.argmax())  # the next best layer
                 d = distance.item(layer)
-                left = self._evict_least(layer, n - len(chosen), protected, d, score.item(rival),
-                                         layer < rival, chosen)
+                left = self._evict_least(layer, n - len(chosen), protected, d, bar, layer < rival,
+                                         chosen)
                 if len(chosen) == n:
                     return chosen
-                # the layer's score fell to the rival's (or lost its tie): the rival is next
-                score[layer] = _score(d, left)
-                layer = rival
+                own = _score(d, left)  # fell to the rival's score (or lost its tie)
         return chosen
 
     def _unused_victims(self, n: int, protected: set[int]) -> list[int]:
