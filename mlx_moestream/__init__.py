@@ -5,11 +5,14 @@ the backend-neutral modules (runtime, cache, policies, profiles, trace, replay, 
 do, so a torch user (`mlx_moestream.torch.load`) and the CLI's help import without them.
 """
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from . import stats as _stats_module  # noqa: F401  first: a later import would rebind `stats`
 
-__version__ = version("mlx-moestream")
+try:
+    __version__ = version("mlx-moestream")
+except PackageNotFoundError:  # imported from a plain checkout, as the scripts allow
+    __version__ = "0+checkout"
 __all__ = ["host_stats", "load", "prewarm", "profile", "run_text", "save_profile", "save_trace",
            "start_trace", "stats"]
 

@@ -208,3 +208,15 @@ def test_replay_plot_refuses_a_target_it_must_not_write_before_the_sweep(tmp_pat
     assert message.format(path=path) in out.stderr
     assert "policy" not in out.stdout  # refused before the sweep
     assert notes.read_text() == "my notes" and not (tmp_path / "sweep.txt").exists()
+
+
+def test_package_imports_from_a_checkout_with_no_installed_metadata():
+    """The scripts put the checkout on `sys.path`; the package may not be installed."""
+    code = ("import importlib.metadata as metadata\n"
+            "def missing(name): raise metadata.PackageNotFoundError(name)\n"
+            "metadata.version = missing\n"
+            "import mlx_moestream\n"
+            "print(mlx_moestream.__version__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0+checkout"
