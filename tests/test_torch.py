@@ -133,7 +133,8 @@ def test_converting_a_streamed_model_after_load_is_refused_at_its_next_call(hf_m
 
 def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference):
     """Negative control: the same experts in a permuted [E, ...] pool, ids remapped to it (what
-    a compact slot pool does), change float32 grouped_mm's sums, and the test above sees it."""
+    a compact slot pool does), change float32 grouped_mm's sums, and the test above sees it.
+    Where they change none (on some CPUs), it has nothing to see."""
     path = hf_model("qwen3_moe")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                               experts_implementation="grouped_mm")
@@ -148,8 +149,13 @@ def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference
                 setattr(experts, name, torch.nn.Parameter(shuffled, requires_grad=False))
         forward = experts.forward
         experts.forward = lambda h, ids, w, forward=forward: forward(h, perm[ids], w)
-    with pytest.raises(AssertionError):
-        assert_equal_runs(run(model), hf_reference(path, torch.float32))
+    got, want = run(model), hf_reference(path, torch.float32)
+    try:
+        assert_equal_runs(got, want)
+    except AssertionError:
+        return
+    pytest.skip("this CPU's grouped_mm sums an expert's rows alike wherever its slot is: there "
+                "is no difference for the test above to see")
 
 
 @pytest.fixture
