@@ -5,6 +5,8 @@ experts; these tests measure that with the runtime's own routing counts on the s
 and held-out text, not on stored numbers.
 """
 
+from functools import cache
+
 import mlx_lm
 import pytest
 
@@ -19,6 +21,7 @@ def heldout(workload: str) -> str:
     return (EMBEDDED_MODEL / "heldout" / f"{workload}.txt").read_text(encoding="utf-8")
 
 
+@cache  # the Italian halves serve every comparison: each takes seconds on a CPU
 def routing_counts(text: str):
     """[layers, experts] tokens routed to each expert while the runtime reads `text`."""
     model, tokenizer = mlx_moestream.load(budget="100%")
