@@ -160,7 +160,8 @@ def test_a_chat_answer_interrupted_by_ctrl_c_leaves_no_message_in_the_history(ti
     import re
     import signal
 
-    proc = subprocess.Popen([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "2000"],
+    # long enough to be streaming when Ctrl-C comes; the next answer runs as long
+    proc = subprocess.Popen([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "400"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     proc.stdin.write("hello\n")
