@@ -1,3 +1,4 @@
+import inspect
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,9 @@ def tiny_model(tmp_path_factory):
     built: dict[tuple, Path] = {}
 
     def build(arch: str = "qwen3_moe", **kwargs) -> Path:
-        key = (arch, tuple(sorted(kwargs.items())))
+        call = inspect.signature(make_tiny_moe).bind(None, arch, **kwargs)
+        call.apply_defaults()  # `bits=None` builds what no `bits` builds: one directory
+        key = tuple(sorted((k, repr(v)) for k, v in call.arguments.items() if k != "path"))
         if key not in built:
             built[key] = make_tiny_moe(root / f"m{len(built)}-{arch}", arch, **kwargs)
         return built[key]
