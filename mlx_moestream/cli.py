@@ -617,18 +617,18 @@ def profile_diff(first, second, top):
 
 @main.command()
 @model_option
-@click.option("--out", type=click.Path(file_okay=False),
-              help="Where to write (default: MODEL/moestream-experts, used automatically).")
 @click.option("--verify", "verify_only", is_flag=True, help="Only check an existing copy's checksums.")
-def repack(model, out, verify_only):
-    """Write an expert-major copy of the experts: one page-aligned read per expert."""
+def repack(model, verify_only):
+    """Write an expert-major copy of the experts (one page-aligned read per expert) where every
+    load of the model finds it: MODEL/moestream-experts, or the user cache for a model folder
+    that is not writable."""
     from . import repack as rp
     from .hub import resolve_model_path
-    from .store import repack_dir
+    from .store import find_repacked
 
     try:
         path = resolve_model_path(model)
-        folder = Path(out) if out else repack_dir(path)
+        folder = find_repacked(path)
         if verify_only:
             problems = rp.verify(folder, path)
             for problem in problems:
@@ -637,7 +637,10 @@ def repack(model, out, verify_only):
                 raise click.ClickException(f"{folder}: {len(problems)} problems found")
             click.echo(f"{folder}: every expert block matches its checksum")
             return
-        click.echo(rp.repack(path, out, progress=_progress))
+        with _terminate_as_interrupt():  # its temporary file goes, as on Ctrl-C
+            click.echo(rp.repack(path, progress=_progress))
+    except _Terminated:
+        _fail(click.ClickException("terminated: nothing was written"))
     except (ValueError, OSError) as e:
         _fail(e)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,6 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
     model_dir = Path(model_dir)
     out = Path(out) if out else repack_dir(model_dir)
     _check_out(out)
-    out.mkdir(parents=True, exist_ok=True)
     from .loader import load_lazy  # mlx builds the plan; importing repack needs no mlx
 
     _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False, repacked=False)
@@ -67,12 +66,25 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
             raise StoreError(f"{model_dir}: the model files changed while they were repacked: "
                              "repack again")
 
-    atomic_write(out / "experts.bin", write)  # an interrupted repack leaves nothing behind
-    manifest = {"schema": REPACK_SCHEMA, "version": 1, "page_size": page_size,
-                "source": source, "bin_bytes": (out / "experts.bin").stat().st_size,
-                "layers": layers}
-    manifest["checksum"] = manifest_checksum(manifest)
-    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    # An interrupted or failed repack leaves nothing behind: not the folder it made, and not
+    # an experts.bin without its manifest, which every later repack would refuse to replace.
+    created, written = not out.exists(), False
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        atomic_write(out / "experts.bin", write)
+        written = True
+        manifest = {"schema": REPACK_SCHEMA, "version": 1, "page_size": page_size,
+                    "source": source, "bin_bytes": (out / "experts.bin").stat().st_size,
+                    "layers": layers}
+        manifest["checksum"] = manifest_checksum(manifest)
+        atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    except BaseException:
+        with suppress(OSError):
+            if written:
+                (out / "experts.bin").unlink()
+            if created:
+                out.rmdir()
+        raise
     return out
 
 

@@ -81,7 +81,7 @@ REPACK_SCHEMA = "mlx-moestream-repack"
 
 
 def repack_dir(model_dir: Path) -> Path:
-    """Where a model's repacked copy lives: MODEL/moestream-experts, or, for a model folder that
+    """Where `repack` writes a model's copy: MODEL/moestream-experts, or, for a model folder that
     is not writable or ships inside this package (the embedded model), a folder of the user
     cache named after the model's resolved path."""
     model_dir = Path(model_dir).resolve()
@@ -90,6 +90,16 @@ def repack_dir(model_dir: Path) -> Path:
         return model_dir / REPACK_DIR
     key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "mlx-moestream" / "repacked" / f"{model_dir.name}-{key}"
+
+
+def find_repacked(model_dir: Path) -> Path:
+    """Where a load looks for a model's copy: where `repack` writes it, else, for a model
+    folder made read-only after a repack, the copy in MODEL/moestream-experts."""
+    folder = repack_dir(model_dir)
+    beside = Path(model_dir).resolve() / REPACK_DIR
+    if not (folder / "manifest.json").exists() and (beside / "manifest.json").exists():
+        return beside
+    return folder
 
 
 class StoreError(ValueError):
@@ -248,8 +258,8 @@ def read_manifest(folder: Path, files: list[Path] | None) -> dict:
     and (given `files`) that the model's shards are still the ones it was made from."""
     path = folder / "manifest.json"
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # not JSON, or not even UTF-8
         raise StoreError(f"{path}: unreadable repack manifest ({e})") from None
     if (not isinstance(manifest, dict) or manifest.get("schema") != REPACK_SCHEMA
             or manifest.get("checksum") != manifest_checksum(manifest)
@@ -309,7 +319,7 @@ class ExpertStore:
         """`drop_page_cache`: after each read, tell the OS not to keep the pages (Linux
         POSIX_FADV_DONTNEED, macOS F_NOCACHE), so cached file pages do not quietly add a second
         copy of the experts on top of the budget. `repacked`: an expert-major copy made by
-        `repack` (default: `repack_dir(model_dir)` when present; False: none); used when its
+        `repack` (default: `find_repacked(model_dir)` when present; False: none); used when its
         manifest is valid, else ignored with a warning."""
         self.model_dir = Path(model_dir)
         self.drop_page_cache = drop_page_cache
@@ -337,7 +347,7 @@ class ExpertStore:
         self.checksums: list[np.ndarray | None] = []
         self.verified: list[np.ndarray | None] = []
         self.repacked: dict[str, dict] = {}
-        folder = Path(repacked) if repacked else repack_dir(self.model_dir)
+        folder = Path(repacked) if repacked else find_repacked(self.model_dir)
         if repacked or (repacked is None and (folder / "manifest.json").exists()):
             try:
                 manifest = read_manifest(folder, self.files)

@@ -3,6 +3,7 @@
 import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -193,8 +194,7 @@ def test_a_shard_rewritten_after_its_experts_were_read_fails_the_repack(model_co
     with pytest.raises(StoreError, match="the model files changed while they were repacked"):
         repack(path)
     monkeypatch.undo()
-    folder = repack_dir(path)
-    assert list(folder.iterdir()) == []  # neither the copy nor its temporary file
+    assert not repack_dir(path).exists()  # neither the copy nor its temporary file
 
 
 def test_a_corrupt_block_in_the_copy_is_an_error_naming_the_expert_never_an_input(model_copy):
@@ -277,7 +277,63 @@ def test_an_interrupted_repack_leaves_no_file_behind(model_copy, monkeypatch):
     monkeypatch.setattr(ExpertStore, "read_expert", interrupted)
     with pytest.raises(KeyboardInterrupt):
         repack(path)
-    assert list(repack_dir(path).iterdir()) == []
+    assert not repack_dir(path).exists()  # nor the folder it made
+
+
+def test_a_repack_interrupted_before_its_manifest_is_written_leaves_no_file_behind(
+        model_copy, monkeypatch, reference):
+    """An experts.bin without its manifest would make every later repack refuse to run."""
+    path = model_copy("qwen3_moe")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("mlx_moestream.repack.atomic_write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        repack(path)
+    assert not repack_dir(path).exists()
+    monkeypatch.undo()
+    assert verify(repack(path), path) == []
+
+
+def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_copy):
+    from click.testing import CliRunner
+
+    from mlx_moestream.cli import main
+
+    path = model_copy("qwen3_moe")
+    read_expert, reads = ExpertStore.read_expert, []
+
+    def terminated(self, *args):
+        reads.append(1)
+        if len(reads) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return read_expert(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ExpertStore, "read_expert", terminated)
+        out = CliRunner().invoke(main, ["repack", "--model", str(path)])
+    assert out.exit_code == 1
+    assert out.output.splitlines()[-1] == "Error: terminated: nothing was written"
+    assert not repack_dir(path).exists()
+
+
+def test_a_manifest_that_is_not_utf8_is_ignored_with_a_warning(model_copy):
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    (folder / "manifest.json").write_bytes(b"\xff\xfe{}")
+    with pytest.warns(UserWarning, match="unreadable repack manifest"):
+        store = ExpertStore(path)
+    assert len(store.files) == 1
+
+
+def test_a_copy_beside_a_model_folder_made_read_only_since_is_still_used(model_copy,
+                                                                         monkeypatch):
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    monkeypatch.setattr("mlx_moestream.store.os.access", lambda *args: False)  # as root cannot
+    assert repack_dir(path) != folder  # a repack now would write to the user cache
+    assert ExpertStore(path).files[-1] == folder / "experts.bin"
 
 
 @pytest.mark.parametrize("manifest", ["{}", "[]", "checksum"])
