@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -62,6 +63,13 @@ model_option = click.option(
 @click.version_option(package_name="mlx-moestream", prog_name="mlx-moestream")
 def main() -> None:
     """Run Mixture-of-Experts models whose experts exceed memory."""
+    warnings.formatwarning = _one_line_warning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning (a repacked copy ignored, say) reads as the CLI's errors do: one line, no
+    source location."""
+    return f"Warning: {message}\n"
 
 
 budget_option = click.option(

@@ -346,3 +346,16 @@ def test_verify_reports_a_manifest_a_load_would_ignore(model_copy, manifest):
     (folder / "manifest.json").write_text(manifest)
     assert verify(folder) == [f"{folder / 'manifest.json'}: corrupt repack manifest (checksum "
                               "mismatch or missing fields)"]
+
+
+def test_chat_says_in_one_line_that_it_ignores_a_corrupt_copy(model_copy):
+    path = model_copy("qwen3_moe")
+    (repack(path) / "manifest.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "chat", "--model", str(path),
+                          "--prompt", "hi", "--max-tokens", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    warned = [line for line in out.stderr.splitlines() if "repacked" in line]
+    assert warned == [f"Warning: ignoring the repacked experts: {path / 'moestream-experts'}"
+                      f"/manifest.json: corrupt repack manifest (checksum mismatch or missing "
+                      f"fields)"], out.stderr
