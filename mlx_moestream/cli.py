@@ -648,7 +648,7 @@ def repack(model, verify_only):
         with _terminate_as_interrupt():  # its temporary file goes, as on Ctrl-C
             click.echo(rp.repack(path, progress=_progress))
     except _Terminated:
-        _fail(click.ClickException("terminated: nothing was written"))
+        raise click.ClickException("terminated: nothing was written") from None
     except (ValueError, OSError) as e:
         _fail(e)
 

@@ -264,24 +264,33 @@ def test_repack_never_replaces_a_manifest_it_did_not_write(model_copy, tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
 
 
-def test_an_interrupted_repack_leaves_no_file_behind(model_copy, monkeypatch):
-    path = model_copy("qwen3_moe")
+def at_third_read(monkeypatch, interrupt) -> None:
+    """Call `interrupt` at the third expert read, mid-repack."""
     read_expert, reads = ExpertStore.read_expert, []
 
-    def interrupted(self, *args):
+    def read(self, *args):
         reads.append(1)
         if len(reads) == 3:
-            raise KeyboardInterrupt
+            interrupt()
         return read_expert(self, *args)
 
-    monkeypatch.setattr(ExpertStore, "read_expert", interrupted)
+    monkeypatch.setattr(ExpertStore, "read_expert", read)
+
+
+def test_an_interrupted_repack_leaves_no_file_behind(model_copy, monkeypatch):
+    path = model_copy("qwen3_moe")
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    at_third_read(monkeypatch, interrupt)
     with pytest.raises(KeyboardInterrupt):
         repack(path)
     assert not repack_dir(path).exists()  # nor the folder it made
 
 
 def test_a_repack_interrupted_before_its_manifest_is_written_leaves_no_file_behind(
-        model_copy, monkeypatch, reference):
+        model_copy, monkeypatch):
     """An experts.bin without its manifest would make every later repack refuse to run."""
     path = model_copy("qwen3_moe")
 
@@ -296,23 +305,14 @@ def test_a_repack_interrupted_before_its_manifest_is_written_leaves_no_file_behi
     assert verify(repack(path), path) == []
 
 
-def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_copy):
+def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_copy, monkeypatch):
     from click.testing import CliRunner
 
     from mlx_moestream.cli import main
 
     path = model_copy("qwen3_moe")
-    read_expert, reads = ExpertStore.read_expert, []
-
-    def terminated(self, *args):
-        reads.append(1)
-        if len(reads) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return read_expert(self, *args)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ExpertStore, "read_expert", terminated)
-        out = CliRunner().invoke(main, ["repack", "--model", str(path)])
+    at_third_read(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    out = CliRunner().invoke(main, ["repack", "--model", str(path)])
     assert out.exit_code == 1
     assert out.output.splitlines()[-1] == "Error: terminated: nothing was written"
     assert not repack_dir(path).exists()
