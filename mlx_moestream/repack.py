@@ -68,24 +68,35 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
 
     # An interrupted or failed repack leaves nothing behind: not the folder it made, and not
     # an experts.bin without its manifest, which every later repack would refuse to replace.
-    created, written = not out.exists(), False
+    # What it wrote is told by identity (a rename brings a new file), not by a flag set after
+    # the rename, which an interrupt could fall between.
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    before = {name: _inode(out / name) for name in ("experts.bin", "manifest.json")}
     try:
         atomic_write(out / "experts.bin", write)
-        written = True
         manifest = {"schema": REPACK_SCHEMA, "version": 1, "page_size": page_size,
                     "source": source, "bin_bytes": (out / "experts.bin").stat().st_size,
                     "layers": layers}
         manifest["checksum"] = manifest_checksum(manifest)
         atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     except BaseException:
-        with suppress(OSError):
-            if written:
-                (out / "experts.bin").unlink()
-            if created:
-                out.rmdir()
+        if _inode(out / "manifest.json") == before["manifest.json"]:  # else it is complete
+            with suppress(OSError):
+                if _inode(out / "experts.bin") != before["experts.bin"]:
+                    (out / "experts.bin").unlink()
+                if created:
+                    out.rmdir()
         raise
     return out
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _check_out(out: Path) -> None:

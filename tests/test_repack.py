@@ -305,6 +305,39 @@ def test_a_repack_interrupted_before_its_manifest_is_written_leaves_no_file_behi
     assert verify(repack(path), path) == []
 
 
+def interrupt_after(monkeypatch, name: str, real) -> None:
+    """Interrupt the repack right after its write of `name` (`real`, the writer) has renamed
+    the file into place."""
+    def write(path, *args):
+        real(path, *args)
+        if os.path.basename(path) == name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(f"mlx_moestream.repack.{real.__name__}", write)
+
+
+def test_a_repack_interrupted_right_after_experts_bin_is_renamed_leaves_no_file_behind(
+        model_copy, monkeypatch):
+    from mlx_moestream.files import atomic_write
+
+    path = model_copy("qwen3_moe")
+    interrupt_after(monkeypatch, "experts.bin", atomic_write)
+    with pytest.raises(KeyboardInterrupt):
+        repack(path)
+    assert not repack_dir(path).exists()
+
+
+def test_a_repack_interrupted_right_after_its_manifest_is_renamed_keeps_the_complete_copy(
+        model_copy, monkeypatch):
+    from mlx_moestream.files import atomic_write_text
+
+    path = model_copy("qwen3_moe")
+    interrupt_after(monkeypatch, "manifest.json", atomic_write_text)
+    with pytest.raises(KeyboardInterrupt):
+        repack(path)
+    assert verify(repack_dir(path), path) == []
+
+
 def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_copy, monkeypatch):
     from click.testing import CliRunner
 
