@@ -118,8 +118,10 @@ def auto_budget(expert_bytes: int, dense_bytes: int, memory_bytes: int) -> int:
 
 
 def auto_reserve(memory_bytes: int) -> int:
-    """What `auto` leaves free for the KV cache, activations and the OS."""
-    return max(AUTO_RESERVE_MIN_BYTES, int(memory_bytes * AUTO_RESERVE_FRACTION))
+    """What `auto` leaves free for the KV cache, activations and the OS: at most half the
+    memory, so that a small container still runs a small model."""
+    floor = min(AUTO_RESERVE_MIN_BYTES, memory_bytes // 2)
+    return max(floor, int(memory_bytes * AUTO_RESERVE_FRACTION))
 
 
 def resolve_budget(

@@ -42,6 +42,12 @@ def test_auto_leaves_dense_weights_and_a_reserve_when_experts_do_not_fit():
     assert budget == 24 * GiB - 4 * GiB - 6 * GiB
 
 
+def test_auto_in_a_container_of_under_4_gib_reserves_half_its_memory():
+    """The 2 GiB floor of the reserve would leave nothing in a 1.5 GiB container."""
+    budget = auto_budget(expert_bytes=2 * GiB, dense_bytes=GiB // 8, memory_bytes=3 * GiB // 2)
+    assert budget == 3 * GiB // 2 - GiB // 8 - 3 * GiB // 4
+
+
 @pytest.mark.parametrize("spec, problem", [
     ("nan%", "cannot parse budget"), ("inf%", "cannot parse budget"),
     ("1e400%", "cannot parse budget"), ("150%", "in \\(0%, 100%\\]: got '150%'"),
@@ -92,9 +98,9 @@ def test_a_cgroup_without_a_memory_limit_leaves_the_free_memory(tmp_path):
 
 def test_auto_below_the_minimum_says_where_the_memory_went(tiny_model, monkeypatch):
     """Not "budget 0 B is below the minimum", which names a budget nobody gave."""
-    monkeypatch.setattr(loader, "memory_bytes", lambda: 2 * GiB)  # a machine with 2 GiB free
-    with pytest.raises(BudgetError, match=r"budget auto: 2.0 GiB of usable memory, less .* of "
-                       r"dense weights and a reserve of 2.0 GiB .* leaves .*, below the minimum"):
+    monkeypatch.setattr(loader, "memory_bytes", lambda: 2**19)  # 512 KiB free
+    with pytest.raises(BudgetError, match=r"budget auto: 512.0 KiB of usable memory, less .* of "
+                       r"dense weights and a reserve of 256.0 KiB .* leaves .*, below the minimum"):
         mlx_moestream.load(tiny_model(), budget="auto")
 
 
