@@ -163,7 +163,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         message = {"role": "user", "content": text}
         text, timing = reply([*history, message])  # an answer cut short leaves no trace
         history.extend([message, {"role": "assistant", "content": text}])
-        click.echo(format_stats(session.stats(lm), timing))
+        click.echo(format_stats(session.stats(lm), timing, host=0 if distributed else None))
         if distributed:
             click.echo(_format_hosts(loader.host_stats(lm)))
 
@@ -369,8 +369,9 @@ def _progress(items, label: str):
     return click.progressbar(items, label=label, file=sys.stderr)
 
 
-def format_stats(s: dict, response=None) -> str:
-    """A short table: totals, then one line per MoE layer."""
+def format_stats(s: dict, response=None, host: int | None = None) -> str:
+    """A short table: totals, then one line per MoE layer; `host`: the host whose experts
+    they are, under expert parallelism."""
     lines = []
     if response is not None:
         lines.append(
@@ -378,7 +379,7 @@ def format_stats(s: dict, response=None) -> str:
             f"{response.generation_tokens} generated at {response.generation_tps:.1f} tok/s]"
         )
     lines.append(
-        f"experts, session so far: hit rate {s['hit_rate']:.1%} ({s['hits']} hits, "
+        f"{'experts' if host is None else f'host {host} experts'}, session so far: hit rate {s['hit_rate']:.1%} ({s['hits']} hits, "
         f"{s['misses']} misses), "
         f"{s['loads']} loads, {s['evictions']} evictions, read {format_bytes(s['bytes_read'])} "
         f"in {s['read_ms']:.0f} ms; resident {format_bytes(s['resident_bytes'])} of budget "

@@ -112,6 +112,7 @@ def test_chat_on_two_hosts_answers_once_with_every_host_s_statistics(tiny_model)
                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("generated at") == 1 and "all 2 hosts: hit rate" in out.stdout
+    assert "host 0 experts, session so far: hit rate" in out.stdout  # not the whole model's
 
 
 def test_chat_whose_load_fails_on_one_host_ends_every_host_in_one_line(tiny_model):
