@@ -378,8 +378,9 @@ def format_stats(s: dict, response=None, host: int | None = None) -> str:
             f"[{response.prompt_tokens} prompt tokens at {response.prompt_tps:.1f} tok/s, "
             f"{response.generation_tokens} generated at {response.generation_tps:.1f} tok/s]"
         )
+    whose = "experts" if host is None else f"host {host} experts"
     lines.append(
-        f"{'experts' if host is None else f'host {host} experts'}, session so far: hit rate {s['hit_rate']:.1%} ({s['hits']} hits, "
+        f"{whose}, session so far: hit rate {s['hit_rate']:.1%} ({s['hits']} hits, "
         f"{s['misses']} misses), "
         f"{s['loads']} loads, {s['evictions']} evictions, read {format_bytes(s['bytes_read'])} "
         f"in {s['read_ms']:.0f} ms; resident {format_bytes(s['resident_bytes'])} of budget "
