@@ -71,7 +71,8 @@ def markdown(results: dict[str, dict]) -> str:
             rates = row["hit_rate"]
             cells = [f"{100 * rates[n]:.1f}" if n in rates else "-" for n in names]
             cells[names.index(DEFAULT_POLICY)] = f"**{cells[names.index(DEFAULT_POLICY)]}**"
-            gap = "-" if row["gap_closed"] is None else f"{100 * row['gap_closed']:.0f}%"
+            gap = row["gap_closed"]  # a rounded int: -0.3% shows as 0%, not -0%
+            gap = "-" if gap is None else f"{round(100 * gap)}%"
             out.append(f"| {round(100 * row['capacity'])}% | " + " | ".join(cells)
                        + f" | {row['best_other']} | {gap} |")
         out.append("")

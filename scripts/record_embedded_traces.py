@@ -2,7 +2,7 @@
 
 Each trace decodes 48 greedy tokens after each of the first 40 lines (of 20+ characters) of a
 held-out text (Italian, English, Python), as a chat session of many short prompts would: the
-prompt tokens and the generated ones, in order (`start_trace` / `save_trace`). About 16 s on
+prompt tokens and the generated ones, in order (`start_trace` / `save_trace`). 16-41 s on
 a 2-core CPU.
 
     python scripts/record_embedded_traces.py traces-embedded

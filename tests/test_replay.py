@@ -405,3 +405,18 @@ def test_make_trace_refuses_a_target_it_cannot_write_in_one_line(tmp_path, targe
                          text=True, timeout=120)
     assert out.returncode == 1 and out.stderr == f"Error: {problem}\n"
     assert (tmp_path / "notes.txt").read_text() == "not mine to replace"
+
+
+def test_bench_replay_tables_show_a_gap_closed_just_below_zero_as_0_percent():
+    """Rounded with a format, -0.3% printed as '-0%' in docs/caching.md."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_replay.py"
+    spec = importlib.util.spec_from_file_location("bench_replay", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = {"capacity": 0.1, "hit_rate": {"lru": 0.2}, "best_other": "lfu/layer",
+           "gap_closed": -0.003}
+    table = bench.markdown({"t.npz": {"tokens": 8, "layers": 2, "num_experts": 4, "top_k": 2,
+                                      "rows": [row]}})
+    assert table.splitlines()[-1].endswith("| lfu/layer | 0% |")
