@@ -18,7 +18,11 @@ MAX_BYTES = 20 * 1024 * 1024
 
 
 def heldout(workload: str) -> str:
-    return (EMBEDDED_MODEL / "heldout" / f"{workload}.txt").read_text(encoding="utf-8")
+    """The first half of the workload's held-out text (about 1,500 tokens): across languages
+    its routing differs 5-6x more than between its own two halves, against the 3x asked, at
+    half the time of the whole text on a CPU."""
+    text = (EMBEDDED_MODEL / "heldout" / f"{workload}.txt").read_text(encoding="utf-8")
+    return text[: len(text) // 2]
 
 
 @cache  # the Italian halves serve every comparison: each takes seconds on a CPU
