@@ -1,7 +1,9 @@
 """Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: loads a model with
 expert parallelism, checks it against single-process stock mlx-lm and writes its findings as
-JSON to OUT/host{rank}.json (mlx.launch forwards the hosts' output in pieces that can
-interleave within a line)."""
+JSON to FOLDER/i/host{rank}.json for the i-th model of the command line (mlx.launch forwards the
+hosts' output in pieces that can interleave within a line).
+
+    distributed_run.py BUDGET FOLDER MODEL [MODEL ...]"""
 
 import json
 import sys
@@ -36,22 +38,28 @@ def refused(record) -> str:
     return ""
 
 
-path, budget, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-expected = greedy_logits(mlx_lm.load(path)[0], decode_tokens=12)
-model, _ = mlx_moestream.load(path, budget=budget, distributed=True)
-got = greedy_logits(model, decode_tokens=12)
-stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
-(out / f"host{stats['host']}.json").write_text(json.dumps({
-    "host": stats["host"],
-    "tokens": stats["tokens"],
-    "equal": all(mx.array_equal(a, b).item() for a, b in zip(expected, got)),
-    "evictions": stats["evictions"],
-    "loads": stats["loads"],
-    "bytes_read": stats["bytes_read"],
-    "syncs": stats["syncs"],
-    "layer_calls": 13 * model.moestream.plan.num_layers,  # a prompt and 12 tokens
-    "own_reads": reads_only_its_experts(model.moestream),
-    "combined_loads": hosts["combined"]["loads"],
-    "profile_refused": refused(lambda: mlx_moestream.save_profile(model, out / "p.json")),
-    "trace_refused": refused(lambda: mlx_moestream.start_trace(model)),
-}))
+def check(path: str, budget: str, out: Path) -> None:
+    expected = greedy_logits(mlx_lm.load(path)[0], decode_tokens=12)
+    model, _ = mlx_moestream.load(path, budget=budget, distributed=True)
+    got = greedy_logits(model, decode_tokens=12)
+    stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
+    (out / f"host{stats['host']}.json").write_text(json.dumps({
+        "host": stats["host"],
+        "tokens": stats["tokens"],
+        "equal": all(mx.array_equal(a, b).item() for a, b in zip(expected, got)),
+        "evictions": stats["evictions"],
+        "loads": stats["loads"],
+        "bytes_read": stats["bytes_read"],
+        "syncs": stats["syncs"],
+        "layer_calls": 13 * model.moestream.plan.num_layers,  # a prompt and 12 tokens
+        "own_reads": reads_only_its_experts(model.moestream),
+        "combined_loads": hosts["combined"]["loads"],
+        "profile_refused": refused(lambda: mlx_moestream.save_profile(model, out / "p.json")),
+        "trace_refused": refused(lambda: mlx_moestream.start_trace(model)),
+    }))
+
+
+budget, folder = sys.argv[1], Path(sys.argv[2])
+for i, path in enumerate(sys.argv[3:]):
+    (folder / str(i)).mkdir(exist_ok=True)
+    check(path, budget, folder / str(i))

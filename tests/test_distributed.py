@@ -23,40 +23,41 @@ def launch(*args, timeout=300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+ARCHS, BITS = ["qwen3_moe", "mixtral", "gpt_oss"], [None, 4]
+
+
 @pytest.fixture(scope="session")
-def run_hosts(tmp_path_factory):
-    """`distributed_run.py` on two hosts, once per model and budget (several tests read one
-    run's findings): (each host's findings in host order, the folder it wrote to)."""
+def run_hosts(tiny_model, tmp_path_factory):
+    """`distributed_run.py` on two hosts at 60% of each host's experts, every architecture
+    and quantization in one launch (a launch costs two processes' start, most of its time):
+    {(arch, bits): (each host's findings in host order, the folder it wrote to)}."""
+    models = {(arch, bits): tiny_model(arch, bits=bits) for arch in ARCHS for bits in BITS}
+    folder = tmp_path_factory.mktemp("hosts")
+    out = launch(RUN, "60%", folder, *models.values())
+    assert out.returncode == 0, out.stderr[-3000:]
     runs = {}
-
-    def run(model: Path, budget: str) -> tuple[list[dict], Path]:
-        if (model, budget) not in runs:
-            folder = tmp_path_factory.mktemp("hosts")
-            out = launch(RUN, model, budget, folder)
-            assert out.returncode == 0, out.stderr[-3000:]
-            hosts = [json.loads(f.read_text()) for f in sorted(folder.glob("host*.json"))]
-            assert [h["host"] for h in hosts] == [0, 1], out.stderr[-3000:]  # each ran to its end
-            runs[model, budget] = hosts, folder
-        return runs[model, budget]
-
-    return run
+    for i, key in enumerate(models):
+        hosts = [json.loads(f.read_text()) for f in sorted((folder / str(i)).glob("host*.json"))]
+        assert [h["host"] for h in hosts] == [0, 1], out.stderr[-3000:]  # each ran to its end
+        runs[key] = hosts, folder / str(i)
+    return runs
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_two_hosts_match_one_stock_process_bit_for_bit(tiny_model, run_hosts, arch, bits):
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_hosts_match_one_stock_process_bit_for_bit(run_hosts, arch, bits):
     # 60% of a host's half of the experts: 30% of all expert bytes, so both evict
-    hosts, _ = run_hosts(tiny_model(arch, bits=bits), "60%")
+    hosts, _ = run_hosts[arch, bits]
     for h in hosts:
         assert h["equal"] and h["own_reads"] and h["evictions"] > 0
         assert h["syncs"] == 2 * h["layer_calls"]  # its routed ids, then the exchange
     assert hosts[0]["combined_loads"] == sum(h["loads"] for h in hosts)
 
 
-def test_a_host_refuses_to_record_a_profile_or_a_trace(tiny_model, run_hosts):
+def test_a_host_refuses_to_record_a_profile_or_a_trace(run_hosts):
     """A host sees its own experts only, numbered from 0: its profile or trace would be
     another model's under this one's fingerprint."""
-    hosts, folder = run_hosts(tiny_model("qwen3_moe"), "60%")
+    hosts, folder = run_hosts["qwen3_moe", None]
     for h in hosts:
         assert "cannot record a profile on a distributed model" in h["profile_refused"]
         assert "cannot record a trace on a distributed model" in h["trace_refused"]
@@ -177,8 +178,8 @@ def test_the_readme_two_host_command_runs_as_written():
     assert out.stdout.count("generated at") == 1 and "all 2 hosts" in out.stdout
 
 
-def test_every_token_counts_on_a_host_that_owns_none_of_a_call(tiny_model, run_hosts):
+def test_every_token_counts_on_a_host_that_owns_none_of_a_call(run_hosts):
     """Top-2 of 8 experts over 2 hosts: some layer-0 calls route to the other host alone; the
     tokens still count on both hosts (the policies decay by them)."""
-    hosts, _ = run_hosts(tiny_model("mixtral"), "60%")
+    hosts, _ = run_hosts["mixtral", None]
     assert [h["tokens"] for h in hosts] == [64 + 12] * 2
