@@ -538,6 +538,10 @@ class ExpertStore:
                 fds.append(os.open(path, os.O_RDONLY))
                 if self.drop_page_cache and hasattr(fcntl, "F_NOCACHE"):  # macOS
                     fcntl.fcntl(fds[-1], fcntl.F_NOCACHE, 1)
+                elif self.drop_page_cache and hasattr(os, "POSIX_FADV_RANDOM"):
+                    # no readahead: what it brings may land after the read's pages are
+                    # dropped, and stay cached; every read names the bytes it needs
+                    os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:
             closer()
             raise
