@@ -459,8 +459,8 @@ class LayerCyclic(Policy):
             layer, own = position, _score(self.layers, least + self.bonus_old)
             score[layer] = -1.0
             rival = int(score.argmax())  # the next best layer
+            bar = score.item(rival)
             while True:
-                bar = score.item(rival)
                 if own < bar or (own == bar and rival < layer):  # the rival is the best
                     score[layer] = own
                     layer, own = rival, bar

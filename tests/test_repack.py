@@ -305,23 +305,22 @@ def test_a_repack_interrupted_before_its_manifest_is_written_leaves_no_file_behi
     assert verify(repack(path), path) == []
 
 
-def interrupt_after(monkeypatch, name: str, real) -> None:
-    """Interrupt the repack right after its write of `name` (`real`, the writer) has renamed
-    the file into place."""
+def interrupt_after(monkeypatch, name: str) -> None:
+    """Interrupt the repack right after its write of `name` has renamed the file into place."""
+    writer = {"experts.bin": "atomic_write", "manifest.json": "atomic_write_text"}[name]
+    real = getattr(mlx_moestream.repack, writer)
+
     def write(path, *args):
         real(path, *args)
-        if os.path.basename(path) == name:
-            raise KeyboardInterrupt
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(f"mlx_moestream.repack.{real.__name__}", write)
+    monkeypatch.setattr(mlx_moestream.repack, writer, write)
 
 
 def test_a_repack_interrupted_right_after_experts_bin_is_renamed_leaves_no_file_behind(
         model_copy, monkeypatch):
-    from mlx_moestream.files import atomic_write
-
     path = model_copy("qwen3_moe")
-    interrupt_after(monkeypatch, "experts.bin", atomic_write)
+    interrupt_after(monkeypatch, "experts.bin")
     with pytest.raises(KeyboardInterrupt):
         repack(path)
     assert not repack_dir(path).exists()
@@ -329,10 +328,8 @@ def test_a_repack_interrupted_right_after_experts_bin_is_renamed_leaves_no_file_
 
 def test_a_repack_interrupted_right_after_its_manifest_is_renamed_keeps_the_complete_copy(
         model_copy, monkeypatch):
-    from mlx_moestream.files import atomic_write_text
-
     path = model_copy("qwen3_moe")
-    interrupt_after(monkeypatch, "manifest.json", atomic_write_text)
+    interrupt_after(monkeypatch, "manifest.json")
     with pytest.raises(KeyboardInterrupt):
         repack(path)
     assert verify(repack_dir(path), path) == []
