@@ -107,9 +107,13 @@ class ModelPlan:
             layer, group_bytes = self.layers[group[0]], self._group_bytes(group)
             n = min(experts or layer.num_experts, layer.num_experts)  # a host's share may
             slots = n * (len(group) if per_layer else 1)  # hold fewer than top-k
-            cost = min(slots * layer.slot_bytes, group_bytes)  # see `pool_slots`
-            need = max(need, -(-cost * self.expert_bytes // group_bytes))
+            need = max(need, -(-self.pool_bytes(group, slots) * self.expert_bytes // group_bytes))
         return need
+
+    def pool_bytes(self, group: list[int], experts: int) -> int:
+        """The memory `experts` resident experts of a group may hold: a slot's bytes each, and
+        no more than the whole group's (whose rows then share no page with a stranger)."""
+        return min(experts * self.layers[group[0]].slot_bytes, self._group_bytes(group))
 
     @property
     def identity(self) -> dict:

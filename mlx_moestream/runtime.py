@@ -513,8 +513,10 @@ class Runtime:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(c.resident * self.plan.layers[g[0]].expert_bytes
-                   for c, g in zip(self.caches, self.plan.layer_groups()))
+        """The memory the resident experts may hold, as the budget counts it: a slot's bytes
+        (with torch's rows, the pages an expert's rows touch, not only its weights' bytes)."""
+        return sum(self.plan.pool_bytes(group, cache.resident)
+                   for cache, group in zip(self.caches, self.plan.layer_groups()))
 
     @property
     def slot_bytes(self) -> int:

@@ -524,8 +524,9 @@ def resident_pages(buffer) -> int:
                          ids=["whole_pages", "rows_sharing_pages"])
 def test_expert_memory_in_use_stays_within_the_budget(hf_model, fused, dtype):
     """Evicted experts' pages go back to the OS, a page shared with a neighbour once no expert
-    on it is resident: the memory the expert maps hold never exceeds the budget (fused rows
-    start at the file's offset in their page, so neighbours share pages)."""
+    on it is resident: the memory the expert maps hold never exceeds the budget, nor the
+    `resident_bytes` the statistics report (fused rows start at the file's offset in their
+    page, so neighbours share pages: their pages, not their bytes, are what is held)."""
     model, _ = moestream_torch.load(hf_model("qwen3_moe", fused, dtype), budget="25%")
     runtime = model.moestream
     maps = [buffer for layer in runtime.pools[0].rows.maps for buffer, _, _ in layer]
@@ -534,7 +535,8 @@ def test_expert_memory_in_use_stays_within_the_budget(hf_model, fused, dtype):
         stats = mlx_moestream.stats(model)
         held = sum(map(resident_pages, maps)) * 4096
         assert stats["evictions"] > 0 and held <= stats["budget_bytes"], (held, stats["budget_bytes"])
-    assert held >= stats["resident_bytes"] * 0.5  # the pages are really there, and counted
+        # the pages are really there, and `resident_bytes` counts every one they may hold
+        assert stats["resident_bytes"] * 0.5 <= held <= stats["resident_bytes"], (held, stats)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's MADV_DONTNEED")
