@@ -305,33 +305,32 @@ def test_a_repack_interrupted_before_its_manifest_is_written_leaves_no_file_behi
     assert verify(repack(path), path) == []
 
 
-def interrupt_after(monkeypatch, name: str) -> None:
-    """Interrupt the repack right after its write of `name` has renamed the file into place."""
+def repack_interrupted_after(monkeypatch, path, name: str) -> None:
+    """Repack `path`, interrupted right after its write of `name` has renamed the file into
+    place."""
     writer = {"experts.bin": "atomic_write", "manifest.json": "atomic_write_text"}[name]
     real = getattr(mlx_moestream.repack, writer)
 
-    def write(path, *args):
-        real(path, *args)
+    def write(target, *args):
+        real(target, *args)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(mlx_moestream.repack, writer, write)
+    with pytest.raises(KeyboardInterrupt):
+        repack(path)
 
 
 def test_a_repack_interrupted_right_after_experts_bin_is_renamed_leaves_no_file_behind(
         model_copy, monkeypatch):
     path = model_copy("qwen3_moe")
-    interrupt_after(monkeypatch, "experts.bin")
-    with pytest.raises(KeyboardInterrupt):
-        repack(path)
+    repack_interrupted_after(monkeypatch, path, "experts.bin")
     assert not repack_dir(path).exists()
 
 
 def test_a_repack_interrupted_right_after_its_manifest_is_renamed_keeps_the_complete_copy(
         model_copy, monkeypatch):
     path = model_copy("qwen3_moe")
-    interrupt_after(monkeypatch, "manifest.json")
-    with pytest.raises(KeyboardInterrupt):
-        repack(path)
+    repack_interrupted_after(monkeypatch, path, "manifest.json")
     assert verify(repack_dir(path), path) == []
 
 
