@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import signal
 import sys
@@ -86,6 +88,7 @@ budget_option = click.option(
 @click.option("--prompt", help="Answer this one prompt and exit (non-interactive).")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
+              callback=lambda ctx, param, value: _finite(value),
               help="Sampling temperature; 0 is greedy.")
 @click.option("--profile", "profiles", type=(click.Choice(["save", "load"]), str), multiple=True,
               metavar="save|load NAME",
@@ -189,15 +192,18 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         outputs = [(f"profile {t}", partial(session.save_profile, lm, t)) for t in targets]
         if trace_path:
             outputs.append((f"trace {trace_path}", partial(session.save_trace, lm, trace_path)))
+        unsaved = False
         for label, save in outputs:  # each on its own: one failing does not lose the others
             try:
                 save()
                 click.echo(f"{label} saved", err=True)
             except (ValueError, OSError) as e:
                 click.echo(f"Error: {label} not saved: {e}", err=True)
-                failed = failed or e
+                unsaved = True
     if failed:
         _fail(failed)
+    if unsaved:  # said above
+        sys.exit(1)
     if interrupted:  # as a shell reports a command stopped by Ctrl-C: scripts see it
         sys.exit(128 + signal.SIGINT)
 
@@ -285,6 +291,23 @@ def _terminate_as_interrupt():
             signal.signal(sig, handler)
 
 
+def _finite(value: float) -> float:
+    """FloatRange lets NaN through (every comparison with it is false); inf is no number
+    to sample with either."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def _read_line(prompt: str) -> str:
+    """A line of the terminal, whose bytes that are not UTF-8 arrive as surrogates for
+    `_check_text` to refuse: decoded strictly, as under most locales, they would end the chat,
+    and a pipe's read-ahead lines with them."""
+    if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.errors == "strict":
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return input(prompt)
+
+
 def _check_text(text: str, what: str) -> None:
     """Bytes that are not UTF-8 (in argv, or a line read) arrive as surrogates, which no
     tokenizer takes."""
@@ -294,7 +317,7 @@ def _check_text(text: str, what: str) -> None:
         raise ValueError(f"{what} is not UTF-8 text (at character {e.start})") from None
 
 
-def _interactive(answer, read=input, fatal: bool = False) -> None:
+def _interactive(answer, read=_read_line, fatal: bool = False) -> None:
     """Answer lines until an empty one or Ctrl-D; an interrupted or failed answer is reported
     and the chat goes on, unless `fatal`."""
     click.echo("Type a message; an empty line or Ctrl-D ends the chat.")
@@ -340,7 +363,7 @@ def _read_on_host_0(watchdog, prompt: str) -> str:
     line, host_0 = None, mx.distributed.init().rank() == 0
     while host_0:
         try:
-            line = input(prompt)
+            line = _read_line(prompt)
             _check_text(line, "the message")
             break
         except EOFError:
@@ -604,7 +627,7 @@ def profile_merge(first, second, output):
         target = save_target(output)
         merged = merge(_load_profile(first), _load_profile(second), workload=target.stem)
         click.echo(merged.save(target))
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         _fail(e)
 
 

@@ -109,9 +109,11 @@ def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
     assert proc.stdout.count("4 generated") == 2
 
 
-def test_text_that_is_not_utf8_is_a_clear_error_and_the_chat_goes_on(tiny_model):
+@pytest.mark.parametrize("stdin_encoding", ["utf-8:surrogateescape", "utf-8"])
+def test_text_that_is_not_utf8_is_a_clear_error_and_the_chat_goes_on(tiny_model, stdin_encoding):
     """A byte that is not UTF-8 reaches Python as a surrogate (argv, or stdin read with
-    surrogateescape), which the tokenizer refuses with a TypeError."""
+    surrogateescape), which the tokenizer refuses with a TypeError; a locale that decodes
+    strictly (`utf-8`, as most do) must not end the chat, nor lose the lines read ahead."""
     model = str(tiny_model("qwen3_moe"))
     out = subprocess.run([*CLI, "chat", "-m", model, "-n", "4", "--prompt", b"ciao \xff"],
                          capture_output=True, text=True, timeout=120)
@@ -119,10 +121,25 @@ def test_text_that_is_not_utf8_is_a_clear_error_and_the_chat_goes_on(tiny_model)
     assert "Error: --prompt is not UTF-8 text (at character 5)" in out.stderr
     out = subprocess.run([*CLI, "chat", "-m", model, "-n", "4"], input=b"ciao \xff\nhello\n\n",
                          capture_output=True, timeout=120,
-                         env={**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"})
+                         env={**os.environ, "PYTHONIOENCODING": stdin_encoding})
     assert out.returncode == 0 and b"Traceback" not in out.stderr
     assert b"Error: the message is not UTF-8 text (at character 5)" in out.stderr
     assert out.stdout.count(b"4 generated") == 1
+
+
+@pytest.mark.parametrize("temp", ["nan", "inf"])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(temp):
+    out = run("chat", "--temp", temp, "--prompt", "hello")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"Invalid value for '--temp': {temp} is not a finite number" in out.stderr
+
+
+def test_an_output_that_cannot_be_saved_is_reported_once(tiny_model, tmp_path):
+    proc = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "--trace",
+                           str(tmp_path / "t.npz")], input="", capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("no complete forward call was recorded") == 1, proc.stderr
 
 
 def test_help_and_version_start_without_importing_mlx():
