@@ -22,7 +22,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     killed writer (kill -9) left for it are removed first."""
     path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     _remove_orphans(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{_HOST}.{secrets.token_hex(4)}.tmp")
+    tmp = _temporary(path, os.getpid(), secrets.token_hex(4))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
     try:
         with os.fdopen(fd, "wb") as f:
@@ -38,11 +38,25 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         raise
 
 
+def _temporary(path: Path, pid: int, token: str) -> Path:
+    return path.with_name(f".{path.name}.{pid}-{_HOST}.{token}.tmp")
+
+
 def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], what: str,
                       error: type[ValueError] = ValueError) -> None:
     """Writers replace an existing file only if it is one of theirs: `check` (a loader) raises
     OSError or ValueError on any other, and then `error` says so. Never a file this tool did
-    not write."""
+    not write. A name too long for its folder (or its temporary file's) is refused here too:
+    `lexists` only says False for it, and the write would fail after the work."""
+    path = Path(path)
+    longest = len(os.fsencode(_temporary(path, 9_999_999, "0" * 8).name))  # pids have 7 digits
+    try:
+        limit = os.pathconf(path.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):  # no such folder (its writer says so), or no limit known
+        limit = 255
+    if longest > limit:
+        raise error(f"cannot write {path}: its name is too long (at most "
+                    f"{limit - longest + len(os.fsencode(path.name))} bytes in {path.parent})")
     if os.path.lexists(path):
         try:
             check(Path(path))

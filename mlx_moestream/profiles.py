@@ -66,8 +66,12 @@ class Profile:
         }
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically: a crash never leaves a half-written profile behind."""
+        """Write atomically: a crash never leaves a half-written profile behind, and nothing
+        `load` would refuse is written."""
         path = Path(path)
+        problem = _problem(self.counts, self.decayed, self.tokens, self.half_life_tokens)
+        if problem:
+            raise ProfileError(f"cannot save profile {path}: {problem}")
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
         return path
@@ -93,15 +97,9 @@ class Profile:
             names, created = [str(l["name"]) for l in layers], str(data["created"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProfileError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
-        if (counts.ndim != 2 or counts.shape != decayed.shape or 0 in counts.shape
-                or not ((counts >= 0) & (counts < 2**53) & (counts == counts.round())).all()):
-            raise ProfileError(f"{path}: malformed profile (counts must be [layers, experts], "
-                               f"at least one of each, whole numbers >= 0)")
-        if not np.isfinite(decayed).all() or (decayed < 0).any():
-            raise ProfileError(f"{path}: malformed profile (decayed counts must be finite, >= 0)")
-        if tokens < 0 or half_life < 1:
-            raise ProfileError(f"{path}: malformed profile (tokens must be >= 0 and "
-                               f"half_life_tokens >= 1)")
+        problem = _problem(counts, decayed, tokens, half_life)
+        if problem:
+            raise ProfileError(f"{path}: malformed profile ({problem})")
         profile = cls(workload, model, counts.astype(np.int64), decayed, tokens, half_life, names,
                       created, path)
         profile.check_shape(model, "malformed profile", "its own model record")
@@ -164,6 +162,18 @@ class Profile:
         return top / np.maximum(self.counts.sum(axis=1), 1)
 
 
+def _problem(counts: np.ndarray, decayed: np.ndarray, tokens: int, half_life: int) -> str | None:
+    """What makes a profile's numbers unusable, if anything."""
+    if (counts.ndim != 2 or counts.shape != decayed.shape or 0 in counts.shape
+            or not ((counts >= 0) & (counts < 2**53) & (counts == counts.round())).all()):
+        return "counts must be [layers, experts], at least one of each, whole numbers >= 0"
+    if not np.isfinite(decayed).all() or (decayed < 0).any():
+        return "decayed counts must be finite, >= 0"
+    if tokens < 0 or half_life < 1:
+        return "tokens must be >= 0 and half_life_tokens >= 1"
+    return None
+
+
 def describe(model: dict) -> str:
     """A profile's model in words; any field may be missing (a profile from another tool)."""
     return (f"{model.get('model_type')} ({model.get('moe_layers')} MoE layers x "
@@ -200,14 +210,17 @@ def _json_file(name: str) -> bool:
 
 def find(name: str) -> Path:
     """A profile NAME (searched in `search_dirs()`) or a path to a .json file."""
-    if _is_path(name):
-        path = Path(name).expanduser()
-        if not path.exists():
-            raise ProfileError(f"profile file {path} does not exist")
-        return path
-    for folder in search_dirs():
-        if (folder / f"{name}.json").exists():
-            return folder / f"{name}.json"
+    try:
+        if _is_path(name):
+            path = Path(name).expanduser()
+            if not path.exists():
+                raise ProfileError(f"profile file {path} does not exist")
+            return path
+        for folder in search_dirs():
+            if (folder / f"{name}.json").exists():
+                return folder / f"{name}.json"
+    except OSError as e:  # a name too long, a folder that may not be searched
+        raise ProfileError(f"profile '{name}': {e.strerror}") from None
     where = ", ".join(str(d) for d in search_dirs())
     raise ProfileError(f"no profile named '{name}' (looked in {where})")
 
@@ -254,8 +267,9 @@ def list_all() -> list[Path]:
 def merge(a: Profile, b: Profile, workload: str) -> Profile:
     """Sum two profiles of the same model (e.g. two sessions of one workload)."""
     b.check_model(a.model, "second profile", "the first profile's model")
-    return Profile(workload, a.model, a.counts + b.counts, a.decayed + b.decayed,
-                   a.tokens + b.tokens, a.half_life_tokens, a.layer_names)
+    with np.errstate(over="ignore"):  # sums out of range are refused when saved
+        return Profile(workload, a.model, a.counts + b.counts, a.decayed + b.decayed,
+                       a.tokens + b.tokens, a.half_life_tokens, a.layer_names)
 
 
 def js_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:

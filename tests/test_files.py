@@ -5,6 +5,9 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def _kill_a_writer_of(target, host: str | None = None) -> list[str]:
@@ -20,6 +23,16 @@ def _kill_a_writer_of(target, host: str | None = None) -> list[str]:
     os.kill(writer.pid, signal.SIGKILL)
     writer.wait()
     return [p.name for p in target.parent.iterdir()]
+
+
+def test_a_name_too_long_for_its_temporary_file_is_refused_before_writing(tmp_path):
+    from mlx_moestream.files import atomic_write_text, check_replaceable
+
+    longest = 255 - len(".." + "-" + "." + ".tmp") - 7 - 8 - 8  # see `files._temporary`
+    check_replaceable(tmp_path / ("a" * longest), Path.read_text, "a text")
+    atomic_write_text(tmp_path / ("a" * longest), "fits")
+    with pytest.raises(ValueError, match=rf"its name is too long \(at most {longest} bytes"):
+        check_replaceable(tmp_path / ("a" * (longest + 1)), Path.read_text, "a text")
 
 
 def test_a_temporary_file_left_by_a_killed_writer_goes_at_the_next_write(tmp_path):

@@ -422,6 +422,7 @@ def test_prewarm_shares_outside_zero_to_one_are_refused(tiny_model, tmp_path, sh
     ("../../evil", "is neither a profile name"),
     ("sub/name", "is neither a profile name"),
     ("missing/p.json", "no folder missing"),
+    ("a" * 230, "its name is too long (at most 224 bytes in profiles)"),
 ])
 def test_profile_save_takes_a_name_or_a_json_path_and_checks_it_before_the_session(
         tiny_model, tmp_path, name, problem):
@@ -523,6 +524,26 @@ def test_merging_a_profile_without_a_model_fingerprint_is_refused_clearly(tmp_pa
                tmp_path / "both.json", cwd=tmp_path)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "fingerprint None" in out.stderr and not (tmp_path / "both.json").exists()
+
+
+@pytest.mark.parametrize("command", [["show", "{name}"], ["diff", "english-chat", "{name}"],
+                                     ["merge", "{name}", "english-chat", "-o", "both"]])
+def test_a_profile_name_too_long_to_look_up_is_a_one_line_error(tmp_path, command):
+    name = "c" * 300
+    out = _cli("profile", *[part.format(name=name) for part in command], cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"Error: profile '{name}': File name too long" in out.stderr
+
+
+def test_a_merge_whose_sums_are_out_of_range_writes_nothing(tmp_path):
+    profile = Profile.load(find("italian-chat"))
+    profile.decayed[:] = 1e308
+    profile.save(tmp_path / "huge.json")
+    out = _cli("profile", "merge", tmp_path / "huge.json", tmp_path / "huge.json", "-o",
+               tmp_path / "both.json", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "Warning" not in out.stderr
+    assert "decayed counts must be finite" in out.stderr
+    assert not (tmp_path / "both.json").exists()
 
 
 def test_replay_plot_without_sweep_is_a_usage_error(tmp_path):
