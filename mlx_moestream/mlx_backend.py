@@ -107,9 +107,11 @@ class PooledExperts(nn.Module):
     the pools, outside the model's parameters (plain attributes, not children), where conversions
     of the model after load (`set_dtype`, `nn.quantize`) cannot reach them, though stock
     mlx-lm would convert them with the rest. Rather than compute with experts stock would not
-    have, a converted model is refused: `expert_dtype`, a parameter holding a 1 in the experts'
-    floating dtype, is converted (or changed, by `model.apply`, `update`) exactly when they
-    would be, and every call checks it; quantizing experts that are not quantized yet is
+    have, a converted model is refused: `expert_dtype`, a parameter in the experts' floating
+    dtype, is converted (or changed, by `model.apply`, `update`) exactly when they would be,
+    and every call checks it. It holds the least value above 1 and the least normal one, which
+    a conversion through a dtype of less precision or range changes even when it converts back
+    (stock's experts would be rounded then). Quantizing experts that are not quantized yet is
     refused at once."""
 
     def __init__(self, inner: nn.Module, path: str):
@@ -119,8 +121,11 @@ class PooledExperts(nn.Module):
         floats = [a.dtype for _, a in tree_flatten(inner.parameters())
                   if mx.issubdtype(a.dtype, mx.floating)]
         dtype = floats[0] if floats else mx.uint8  # none: nothing a conversion converts
-        self.expert_dtype = mx.ones((1,), dtype)
+        info = mx.finfo(dtype) if floats else None
+        self.expert_dtype = (mx.array([1 + info.eps, info.smallest_normal], dtype) if floats
+                             else mx.ones((2,), dtype))
         object.__setattr__(self, "stored_dtype", dtype)
+        object.__setattr__(self, "stored_marker", self.expert_dtype.tolist())
         object.__setattr__(self, "checked", self.expert_dtype)  # the marker found unchanged
 
     def __reduce__(self):
@@ -154,11 +159,12 @@ class PooledExperts(nn.Module):
                 f"which its experts cannot follow: they are read into the runtime's slots as "
                 f"stored ({_dtype_name(self.stored_dtype)}); convert the checkpoint instead "
                 f"(mlx_lm.convert --dtype {converted}) and load that")
-        if marker.item() != 1:
+        if marker.tolist() != self.stored_marker:
             raise ModelError(
                 f"{self.path}: the model's weights were changed after load (model.apply, "
-                f"update), which cannot reach its experts: they are read into the runtime's "
-                f"slots as stored; change the checkpoint instead and load that")
+                f"update, or set_dtype there and back), which cannot reach its experts: they "
+                f"are read into the runtime's slots as stored; change the checkpoint instead "
+                f"and load that")
         object.__setattr__(self, "checked", marker)
 
     def to_quantized(self, **kwargs) -> nn.Module:
