@@ -6,6 +6,7 @@ these same classes. A key is `layer * num_experts + expert`.
 
 from __future__ import annotations
 
+import numbers
 from functools import partial
 from typing import Callable, Sequence
 
@@ -77,9 +78,10 @@ def make_held(held: list[tuple[Callable, tuple]]) -> None:
 
 
 def check_shares(share: float, pin_share: float) -> None:
-    if not (0.0 <= share <= 1.0 and 0.0 <= pin_share <= 1.0):
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and 0.0 <= x <= 1.0
+               for x in (share, pin_share)):
         raise ValueError(f"pre-warm and pin shares must be in [0, 1] of the budget, got "
-                         f"{share} and {pin_share}")
+                         f"{share!r} and {pin_share!r}")
 
 
 class ExpertCache:
@@ -278,24 +280,18 @@ class ExpertCache:
         `SEED_USES`) and choose what to pre-warm: the hottest experts that fit in `share` of
         the slots and the hottest to pin in `pin_share` (leaving each partition room for one
         call's `call_experts` unpinned), both in the first list, in file order (layer, expert).
-        The caller `admit`s the first and loads them, then `pin`s the second: the runtime and
-        replay pre-warm alike."""
+        The caller `admit`s the first and loads them, then `pin`s the second, those that got a
+        slot: the runtime and replay pre-warm alike. Mid-session, the hottest experts that are
+        resident already are pinned as they are; the others are read into free slots."""
         check_shares(share, pin_share)
         layers = self.policy_of
-
-        def room(layer: int) -> int:  # experts the layer may still take
-            if layer not in layers:
-                return 0
-            taken = self.resident_in(layer) if self.per_layer else 0
-            return max(0, self.capacity(layer) - taken)
-
+        hot = profile.hottest(self.num_slots, [int(self.limit[l]) if l in layers else 0
+                                               for l in range(len(self.slot_of))])
         soft = max(0, int(self.num_slots * share) - self.resident)
-        wanted = max(soft, int(self.num_slots * pin_share) - self.resident)  # the pins' too
-        hot = [(l, e) for l, e in profile.hottest(wanted, [room(l) for l in range(len(self.slot_of))])
-               if self.slot_of[l, e] < 0]
         # pins of an earlier pre-warm count: toward the share and the room left for a call
         pins, pinned = [], self.pinned_count.copy()
-        for layer, expert in hot[: max(0, int(self.num_slots * pin_share) - self.pinned_total)]:
+        unpinned = [(l, e) for l, e in hot if not self.pinned[self.key_of[l, e]]]
+        for layer, expert in unpinned[: max(0, int(self.num_slots * pin_share) - self.pinned_total)]:
             used = pinned[layer] if self.per_layer else pinned.sum()
             if used + 1 <= self.limit[layer] - call_experts:
                 pinned[layer] += 1
@@ -303,7 +299,8 @@ class ExpertCache:
         seed = profile.seed_counts(SEED_USES)
         self.seed({int(self.key_of[l, e]): float(seed[l, e])
                    for l in layers for e in np.flatnonzero(seed[l])})
-        return sorted({*hot[:soft], *pins}), pins
+        missing = [(l, e) for l, e in hot if self.slot_of[l, e] < 0]
+        return sorted({*missing[:soft], *(p for p in pins if self.slot_of[p] < 0)}), pins
 
     def pin(self, layer: int, expert: int) -> None:
         """Keep a resident expert for good: it leaves its policy, so it is never a victim."""

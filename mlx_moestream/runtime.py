@@ -544,7 +544,8 @@ class Runtime:
             context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)
             with context as items:
                 loaded, nbytes = self._prewarm_reads(items)
-            for layer, expert in pins:
+            pins = [(l, e) for l, e in pins if self.layer_cache[l].slot_of[l, e] >= 0]
+            for layer, expert in pins:  # those that got a slot
                 self.layer_cache[layer].pin(layer, expert)
             self.prewarm_info = {"profile": profile.workload, "experts": loaded,
                                  "pinned": len(pins), "bytes": nbytes,

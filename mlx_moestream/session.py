@@ -20,8 +20,9 @@ def as_profile(profile: str | Path | Profile) -> Profile:
 def prewarm(model: Any, profile: str | Path | Profile, share: float = 1.0,
             pin_share: float = 0.0, progress: Callable | None = None) -> dict:
     """Load a profile's hottest experts into the free slots, up to `share` of the budget (a
-    pool filled by a session has none: the seeded counts then act as the policy evicts), read
-    and pin the hottest `pin_share`, and seed the policy with its counts. `stats()["prewarm"]`
+    pool filled by a session has none: the seeded counts then act as the policy evicts), pin
+    the hottest `pin_share` (those resident already as they are, the others once read into a
+    free slot), and seed the policy with its counts. `stats()["prewarm"]`
     describes the latest pre-warm. `progress(items, label)` may wrap the loads."""
     return _single_host(model, "pre-warm from a profile").prewarm(as_profile(profile), share,
                                                                  pin_share, progress)

@@ -351,6 +351,23 @@ def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
     assert {key: cache.slot_of[key] for key in pinned} == slots
 
 
+def test_a_prewarm_on_a_full_pool_pins_the_hottest_experts_already_resident(tiny_model,
+                                                                           tmp_path):
+    path = tiny_model("qwen3_moe")
+    profile = Profile.load(_saved_profile(path, tmp_path, "50%"))
+    model, tokenizer = mlx_moestream.load(path, budget="50%")
+    stock, _ = mlx_lm.load(str(path))
+    mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
+    cache = model.moestream.caches[0]
+    assert not cache.free  # the session filled the pool
+    resident_hot = {(l, e) for l, e in profile.hottest(4) if cache.slot_of[l, e] >= 0}
+    info = mlx_moestream.prewarm(model, profile, pin_share=0.5)
+    pinned = {(l, e) for l in range(2) for e in range(8) if cache.pinned[l * 8 + e]}
+    assert resident_hot and pinned == resident_hot and info["pinned"] == len(pinned)
+    assert (mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
+            == mlx_lm.generate(stock, tokenizer, PROMPT, max_tokens=16))
+
+
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_a_second_prewarm_counts_the_pins_of_the_first(tiny_model, tmp_path, per_layer):
     """Pre-warming again with another workload's profile must leave every layer room for one
@@ -409,7 +426,8 @@ def test_a_profile_of_another_shape_is_refused_even_with_the_right_fingerprint(t
         mlx_moestream.load(path, budget="50%", profile=saved)
 
 
-@pytest.mark.parametrize("share, pin_share", [(-1.0, 0.0), (1.5, 0.0), (1.0, -0.5)])
+@pytest.mark.parametrize("share, pin_share", [(-1.0, 0.0), (1.5, 0.0), (1.0, -0.5),
+                                              ("0.5", 0.0), (1.0, None)])
 def test_prewarm_shares_outside_zero_to_one_are_refused(tiny_model, tmp_path, share, pin_share):
     path = tiny_model("qwen3_moe")
     profile_path = _saved_profile(path, tmp_path, "50%")
