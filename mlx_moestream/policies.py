@@ -9,6 +9,7 @@ Plain Python and numpy (no mlx): the live runtime, trace replay and any other ba
 from __future__ import annotations
 
 import inspect
+import math
 from collections import OrderedDict
 from heapq import heapify, heappop, heappush, heapreplace
 
@@ -343,7 +344,7 @@ class LayerCyclic(Policy):
         self.position = 0  # layer of the current call: the one after the latest accessed
         self.half_life = half_life
         # a use every token for long adds up to a count of `1 / per_token` (times `weight`)
-        per_token = 1.0 - 0.5 ** (1.0 / half_life)
+        per_token = 1.0 - 0.5 ** (1.0 / half_life) or math.log(2) / half_life  # 0 past 2**53
         self.group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
         # per key, in lists: read and written one key at a time, at a quarter of numpy's cost
         self.count = [0.0] * num_keys  # decayed uses, times `weight`

@@ -216,6 +216,14 @@ def test_wlfu_weighs_a_use_one_half_life_ago_as_half_a_use_now():
     assert _victim(policy, set()) == 0
 
 
+@pytest.mark.parametrize("policy", ["cyclic", "wlfu"])
+def test_a_half_life_past_what_a_float_resolves_is_taken(policy):
+    """`half_life=10**20`, "never decay", rounded the cyclic policy's rate per token to 0 (a
+    ZeroDivisionError)."""
+    result = replay(synthetic_trace(64, 4, 16, 2, seed=0), f"{policy}:half_life={10**20}", 0.5)
+    assert 0 < result["hit_rate"] < 1
+
+
 def test_wlfu_lets_a_formerly_hot_expert_go_once_it_decays():
     policy = WindowLFU(2, 8, half_life=4)
     _miss(policy, 0)
