@@ -13,8 +13,11 @@ from .trace import Trace, TraceRecorder
 
 
 def as_profile(profile: str | Path | Profile) -> Profile:
-    """A profile given by name, path or as itself."""
-    return profile if isinstance(profile, Profile) else Profile.load(find_profile(str(profile)))
+    """A profile given by name, path or as itself: a `Path` is a path, whatever its suffix
+    (as `save_profile` takes it)."""
+    if isinstance(profile, Profile):
+        return profile
+    return Profile.load(profile if isinstance(profile, Path) else find_profile(str(profile)))
 
 
 def prewarm(model: Any, profile: str | Path | Profile, share: float = 1.0,

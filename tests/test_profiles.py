@@ -317,6 +317,17 @@ def test_chat_trace_then_replay_reports_policy_lru_and_belady(tiny_model, tmp_pa
     assert result["belady_hit_rate"] >= max(result["hit_rate"], result["lru_hit_rate"])
 
 
+def test_a_profile_saved_to_a_path_without_json_suffix_loads_from_that_path(tiny_model,
+                                                                            tmp_path, monkeypatch):
+    """A relative `Path("mine")` was looked up as the profile NAME mine."""
+    path = tiny_model("qwen3_moe")
+    monkeypatch.chdir(tmp_path)
+    model, _ = _session(path, budget="50%")
+    mlx_moestream.save_profile(model, Path("mine"))
+    model, _ = mlx_moestream.load(path, budget="50%", profile=Path("mine"))
+    assert mlx_moestream.stats(model)["prewarm"]["experts"] > 0
+
+
 def test_replay_takes_policy_options_and_refuses_bad_ones(tiny_model, tmp_path):
     out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 8,
                "--trace", tmp_path / "t.npz", cwd=tmp_path)
