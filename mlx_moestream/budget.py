@@ -136,7 +136,8 @@ def resolve_budget(
     if spec is None:
         return expert_bytes
     if isinstance(spec, numbers.Real) and not isinstance(spec, bool):  # numpy's numbers too
-        if not math.isfinite(spec):
+        # an int is finite, and may exceed every float (isfinite then overflows)
+        if not isinstance(spec, numbers.Integral) and not math.isfinite(spec):
             raise BudgetError(f"budget must be a finite number of bytes, got {spec!r}")
         budget = int(spec)
     elif isinstance(spec, str) and spec.strip().lower() == "auto":

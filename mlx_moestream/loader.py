@@ -21,7 +21,7 @@ from .mlx_backend import MLXSlotPool, attach, plan_model
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
-from .runtime import Runtime, check_options
+from .runtime import Runtime, check_options, check_tokens
 from .session import as_profile, runtime_of
 from .stats import hit_rate
 from .store import ExpertStore
@@ -206,6 +206,7 @@ def run_text(model: nn.Module, tokenizer: TokenizerWrapper, text: str,
              window_tokens: int = 256) -> int:
     """Run `text` through the model in windows (no generation), so the session's routing
     statistics and profile describe that text; returns the number of tokens."""
+    check_tokens(window_tokens, "window_tokens")
     ids = tokenizer.encode(text)
     for start in range(0, len(ids), window_tokens):
         mx.eval(model(mx.array([ids[start : start + window_tokens]])))

@@ -10,6 +10,7 @@ so the backend must finish computing a call before a later call may reuse its sl
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
@@ -88,8 +89,13 @@ def check_options(policy: str, prewarm_share: float, pin_share: float, window_to
     options and values, the shares, the statistics' window."""
     make_policy(policy, capacity=1, num_keys=1)
     check_shares(prewarm_share, pin_share)
-    if window_tokens < 1:
-        raise ValueError(f"window_tokens must be at least 1 token, got {window_tokens}")
+    check_tokens(window_tokens, "window_tokens")
+
+
+def check_tokens(value: int, name: str) -> None:
+    """A number of tokens: whole, at least 1 (NaN and 1.5 pass a comparison)."""
+    if not (isinstance(value, numbers.Integral) and value >= 1):
+        raise ValueError(f"{name} must be a whole number of tokens, at least 1, got {value!r}")
 
 
 class Runtime:

@@ -130,7 +130,7 @@ def _refuse_saving(*args, **kwargs) -> None:
 def _device(name: str | torch.device) -> torch.device:
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, TypeError):  # no such device; not a device name (None, 1.5)
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
         raise ValueError(f"device '{name}': the torch backend streams on cpu or cuda")

@@ -223,11 +223,23 @@ def test_unknown_policy_is_rejected(tiny_model):
 @pytest.mark.parametrize("option, problem", [
     (dict(pin_share=-1.0), r"shares must be in \[0, 1\]"),
     (dict(prewarm_share=2.0), r"shares must be in \[0, 1\]"),
-    (dict(window_tokens=0), "window_tokens must be at least 1 token, got 0"),
+    (dict(window_tokens=0), "window_tokens must be a whole number of tokens, at least 1, got 0"),
+    (dict(window_tokens=float("nan")), "window_tokens must be a whole number .* got nan"),
+    (dict(window_tokens=1.5), "window_tokens must be a whole number .* got 1.5"),
 ])
 def test_options_out_of_range_are_refused_without_a_profile_too(tiny_model, option, problem):
     with pytest.raises(ValueError, match=problem):
         mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%", **option)
+
+
+@pytest.mark.parametrize("window", [0, -1])
+def test_run_text_refuses_a_window_that_is_not_a_number_of_tokens(window):
+    """-1 ran nothing and returned the text's token count; 0 was range()'s error."""
+    from mlx_moestream.loader import run_text
+
+    model, tokenizer = mlx_moestream.load(budget="30%")
+    with pytest.raises(ValueError, match=f"window_tokens must be a whole number .* got {window}"):
+        run_text(model, tokenizer, "ciao, come stai?", window_tokens=window)
 
 
 def test_a_file_cut_while_a_full_budget_reads_every_expert_fails_the_load_naming_it(

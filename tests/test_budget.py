@@ -58,6 +58,11 @@ def test_a_budget_that_is_not_a_share_or_a_finite_size_is_a_clear_error(spec, pr
         resolve_budget(spec, expert_bytes=1000, dense_bytes=0)
 
 
+def test_an_int_budget_beyond_every_float_holds_every_expert():
+    """`math.isfinite` of such an int overflows (an OverflowError naming no budget)."""
+    assert resolve_budget(2**1030, expert_bytes=1000, dense_bytes=0) == 1000
+
+
 def test_a_budget_in_bytes_may_be_a_numpy_number():
     assert resolve_budget(np.int64(300), expert_bytes=1000, dense_bytes=0) == 300
     assert resolve_budget(np.float32(300), expert_bytes=1000, dense_bytes=0) == 300
