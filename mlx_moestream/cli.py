@@ -18,7 +18,6 @@ from pathlib import Path
 import click
 
 from .budget import BudgetError, format_bytes, resolve_budget
-from .files import check_writable_folder
 from .interrupts import deferred
 from .policies import DEFAULT_POLICY, POLICIES
 
@@ -136,7 +135,6 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             _check_text(prompt, "--prompt")
         targets = [save_target(name) for name in to_save]
         if trace_path:
-            check_writable_folder(trace_path)
             check_save_target(trace_path)
         profile = to_load[0] if to_load else None
         if backend == "torch":

@@ -64,12 +64,12 @@ def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], 
             raise error(f"refusing to replace {path}: it is not {what}") from None
 
 
-def check_writable_folder(path: str | os.PathLike) -> None:
+def check_writable_folder(path: str | os.PathLike, error: type[Exception] = OSError) -> None:
     """Refuse, before any work, a destination whose folder is missing or read-only."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise OSError(f"cannot write {path}: {folder} is not a writable folder")
+        raise error(f"cannot write {path}: {folder} is not a writable folder")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

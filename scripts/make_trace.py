@@ -13,7 +13,6 @@ import click
 # Run from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_moestream.files import check_writable_folder  # noqa: E402
 from mlx_moestream.trace import check_save_target, synthetic_trace  # noqa: E402
 
 
@@ -39,7 +38,6 @@ def main(out, tokens, layers, num_experts, top_k, skew, repeat, switch_at, no_sw
         raise click.BadParameter(f"top-k {top_k} exceeds {num_experts} experts",
                                  param_hint="--top-k")
     try:
-        check_writable_folder(out)
         check_save_target(out)  # before the trace is built, not after
         trace = synthetic_trace(tokens, layers, num_experts, top_k, skew, repeat,
                                 None if no_switch else switch_at, seed, sample_seed)

@@ -188,6 +188,16 @@ def test_trace_records_every_token_and_layer(tiny_model, tmp_path):
     assert trace.num_experts == 8
 
 
+def test_a_trace_saved_into_a_missing_folder_is_refused_naming_the_folder(tiny_model, tmp_path):
+    """The error named the hidden temporary file the write could not open."""
+    model, tokenizer = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%")
+    mlx_moestream.start_trace(model)
+    mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=2)
+    with pytest.raises(ValueError, match=f"cannot write {tmp_path}/no/t.npz: {tmp_path}/no is "
+                                         f"not a writable folder"):
+        mlx_moestream.save_trace(model, tmp_path / "no" / "t.npz")
+
+
 CLI = [sys.executable, "-m", "mlx_moestream.cli"]
 
 
