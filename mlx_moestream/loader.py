@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import numbers
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,6 +28,19 @@ from .stats import hit_rate
 from .store import ExpertStore
 
 
+def _cannot_load(path: Path, e: Exception) -> ModelError:
+    """mlx-lm's error on one line, its list of tensors cut short (a real model's names
+    hundreds), saying where transformers' fused expert tensors can be read instead."""
+    text = " ".join(str(e).split())
+    if len(text) > 300:
+        text = text[:300] + " ..."
+    if re.search(r"experts\.gate_up_proj\b", str(e)):
+        text += ("; its experts are in transformers' fused layout (experts.gate_up_proj), which "
+                 "mlx-lm does not read: load it with the torch backend "
+                 "(mlx_moestream.torch.load, chat --backend torch)")
+    return ModelError(f"{path}: mlx-lm cannot load this model: {text}")
+
+
 def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = None
               ) -> tuple[nn.Module, TokenizerWrapper, dict, ExpertStore, ModelPlan]:
     """Index the files, then build the model without reading any weight (`repacked`: see
@@ -36,7 +50,7 @@ def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = 
         model, tokenizer, config = mlx_lm_load(str(path), lazy=True, return_config=True)
     except (ValueError, KeyError, TypeError, AttributeError, FileNotFoundError) as e:
         # TypeError / AttributeError: a config.json lacking fields or not an object
-        raise ModelError(f"{path}: mlx-lm cannot load this model: {e}") from None
+        raise _cannot_load(path, e) from None
     try:
         plan = plan_model(model, config)
     except ValueError as e:

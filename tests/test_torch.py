@@ -358,6 +358,15 @@ def test_a_per_layer_split_must_give_each_layer_all_its_experts(hf_model, hf_ref
     assert_equal_runs(run(model), hf_reference(path, torch.float32))
 
 
+def test_mlx_refuses_transformers_fused_experts_in_one_line_naming_the_torch_backend(hf_model):
+    """mlx-lm's error listed every tensor it did not take, one per line."""
+    with pytest.raises(ModelError, match=r"mlx-lm cannot load this model: Received .* \.\.\.; "
+                                         r"its experts are in transformers' fused layout .* "
+                                         r"torch backend") as refused:
+        mlx_moestream.load(hf_model("mixtral", fused=True), budget="50%")
+    assert "\n" not in str(refused.value)
+
+
 def test_torch_and_mlx_runtimes_make_the_same_decisions_on_one_trace(hf_model):
     """Same checkpoint, same budget, same routing: the same hits, misses and evictions."""
     path = hf_model("mixtral")
