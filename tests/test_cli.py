@@ -109,16 +109,21 @@ def test_interactive_chat_keeps_history_and_ends_on_empty_line(tiny_model):
     assert proc.stdout.count("4 generated") == 2
 
 
-@pytest.mark.parametrize("stdin_encoding", ["utf-8:surrogateescape", "utf-8"])
-def test_text_that_is_not_utf8_is_a_clear_error_and_the_chat_goes_on(tiny_model, stdin_encoding):
-    """A byte that is not UTF-8 reaches Python as a surrogate (argv, or stdin read with
-    surrogateescape), which the tokenizer refuses with a TypeError; a locale that decodes
-    strictly (`utf-8`, as most do) must not end the chat, nor lose the lines read ahead."""
-    model = str(tiny_model("qwen3_moe"))
-    out = subprocess.run([*CLI, "chat", "-m", model, "-n", "4", "--prompt", b"ciao \xff"],
-                         capture_output=True, text=True, timeout=120)
+def test_a_prompt_that_is_not_utf8_is_a_clear_error(tiny_model):
+    """A byte that is not UTF-8 reaches Python as a surrogate, which the tokenizer refuses
+    with a TypeError."""
+    out = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4",
+                          "--prompt", b"ciao \xff"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "Error: --prompt is not UTF-8 text (at character 5)" in out.stderr
+
+
+@pytest.mark.parametrize("stdin_encoding", ["utf-8:surrogateescape", "utf-8"])
+def test_a_line_that_is_not_utf8_is_a_clear_error_and_the_chat_goes_on(tiny_model,
+                                                                       stdin_encoding):
+    """Read with surrogateescape, or strictly (`utf-8`, as most locales do): the line is
+    refused, and the chat neither ends nor loses the lines read ahead."""
+    model = str(tiny_model("qwen3_moe"))
     out = subprocess.run([*CLI, "chat", "-m", model, "-n", "4"], input=b"ciao \xff\nhello\n\n",
                          capture_output=True, timeout=120,
                          env={**os.environ, "PYTHONIOENCODING": stdin_encoding})
