@@ -73,6 +73,14 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"Warning: {message}\n"
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """FloatRange lets NaN through (every comparison with it is false); inf is no number
+    to sample with either."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 budget_option = click.option(
     "--budget", "-b", type=BudgetType(), default="auto", show_default=True,
     help="Memory for resident experts: bytes, 8GB, 512MiB, 35% of experts, auto.")
@@ -87,7 +95,7 @@ budget_option = click.option(
 @click.option("--prompt", help="Answer this one prompt and exit (non-interactive).")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
-              callback=lambda ctx, param, value: _finite(value),
+              callback=_finite,
               help="Sampling temperature; 0 is greedy.")
 @click.option("--profile", "profiles", type=(click.Choice(["save", "load"]), str), multiple=True,
               metavar="save|load NAME",
@@ -287,14 +295,6 @@ def _terminate_as_interrupt():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _finite(value: float) -> float:
-    """FloatRange lets NaN through (every comparison with it is false); inf is no number
-    to sample with either."""
-    if not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a finite number")
-    return value
 
 
 def _read_line(prompt: str) -> str:

@@ -46,13 +46,16 @@ def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], 
                       error: type[ValueError] = ValueError) -> None:
     """Writers replace an existing file only if it is one of theirs: `check` (a loader) raises
     OSError or ValueError on any other, and then `error` says so. Never a file this tool did
-    not write. A name too long for its folder (or its temporary file's) is refused here too:
-    `lexists` only says False for it, and the write would fail after the work."""
+    not write. A missing or read-only folder, and a name too long for its folder (or its
+    temporary file's), are refused here too: the write would fail after the work (`lexists`
+    only says False for such a name)."""
     path = Path(path)
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise error(f"cannot write {path}: {path.parent} is not a writable folder")
     longest = len(os.fsencode(_temporary(path, 9_999_999, "0" * 8).name))  # pids have 7 digits
     try:
         limit = os.pathconf(path.parent, "PC_NAME_MAX")
-    except (OSError, ValueError):  # no such folder (its writer says so), or no limit known
+    except (OSError, ValueError):  # no limit known
         limit = 255
     if longest > limit:
         raise error(f"cannot write {path}: its name is too long (at most "
@@ -62,14 +65,6 @@ def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], 
             check(Path(path))
         except (OSError, ValueError):
             raise error(f"refusing to replace {path}: it is not {what}") from None
-
-
-def check_writable_folder(path: str | os.PathLike, error: type[Exception] = OSError) -> None:
-    """Refuse, before any work, a destination whose folder is missing or read-only."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise error(f"cannot write {path}: {folder} is not a writable folder")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -247,8 +247,6 @@ def save_target(name: str | Path) -> Path:
         raise ProfileError(f"'{name}' is neither a profile name (letters, digits, '.', '_', '-') "
                            f"nor a path ending in .json")
     check_replaceable(path, Profile.load, "an mlx-moestream profile", ProfileError)
-    if path.parent.is_dir() and not os.access(path.parent, os.W_OK):
-        raise ProfileError(f"cannot save profile {path}: {path.parent} is not writable")
     return path
 
 

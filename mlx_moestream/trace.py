@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write, check_replaceable, check_writable_folder
+from .files import atomic_write, check_replaceable
 
 _REQUIRED = ("experts", "num_experts")
 # A trace is routing ids: 1M tokens x 64 layers x top-8 as int16 is 1 GiB. Past this many bytes
@@ -236,9 +236,7 @@ def synthetic_trace(
 
 
 def check_save_target(path: str | os.PathLike) -> None:
-    """A trace goes into a writable folder, and replaces an existing file only if it is a
-    trace."""
-    check_writable_folder(path, TraceError)
+    """An existing file is replaced only if it is a trace (see `check_replaceable`)."""
     check_replaceable(path, Trace.load, "a routing trace", TraceError)
 
 
