@@ -1,11 +1,17 @@
 import inspect
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import mlx_lm
 import pytest
 
 from mlx_moestream.testing import greedy_logits, make_tiny_moe
+
+# The README's test command runs the venv's python without activating the venv: its commands
+# (`mlx-moestream`, `mlx.launch`, `python`) are found as in an activated one, not elsewhere on PATH.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @pytest.fixture(scope="session")
