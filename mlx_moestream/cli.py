@@ -14,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -177,8 +178,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             click.echo(_format_hosts(loader.host_stats(lm)))
 
     failed, interrupted = None, False
-    try:
-        with _terminate_as_interrupt():
+    with _terminate_as_interrupt() as ending:
+        try:
             if prompt is not None:
                 answer(prompt)
             elif distributed:  # a host that failed or was interrupted mid-answer would leave
@@ -186,26 +187,21 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                              fatal=True)  # the others waiting
             else:
                 _interactive(answer)
-    except KeyboardInterrupt:  # ends an interactive chat; a --prompt answer is cut short
-        click.echo("\n[interrupted]")
-        interrupted = prompt is not None
-    except _Terminated:
-        click.echo("\n[terminated]")
-        failed = click.ClickException("terminated")
-    except (ValueError, RuntimeError) as e:  # a read error, a lost host: outputs still written
-        failed = e
-    finally:
-        outputs = [(f"profile {t}", partial(session.save_profile, lm, t)) for t in targets]
-        if trace_path:
-            outputs.append((f"trace {trace_path}", partial(session.save_trace, lm, trace_path)))
-        unsaved = False
-        for label, save in outputs:  # each on its own: one failing does not lose the others
-            try:
-                save()
-                click.echo(f"{label} saved", err=True)
-            except (ValueError, OSError) as e:
-                click.echo(f"Error: {label} not saved: {e}", err=True)
-                unsaved = True
+        except KeyboardInterrupt:  # ends an interactive chat; a --prompt answer is cut short
+            _tell("\n[interrupted]")
+            interrupted = prompt is not None
+        except _Terminated:
+            _tell("\n[terminated]")
+            failed = click.ClickException("terminated")
+        except (ValueError, RuntimeError, OSError) as e:  # a read error, a lost host, a closed
+            failed = e  # terminal (EIO): the outputs are still written
+        finally:
+            ending()
+            outputs = [(f"profile {t}", partial(session.save_profile, lm, t)) for t in targets]
+            if trace_path:
+                outputs.append((f"trace {trace_path}",
+                                partial(session.save_trace, lm, trace_path)))
+            unsaved = _save_outputs(outputs)
     if failed:
         _fail(failed)
     if unsaved:  # said above
@@ -276,6 +272,30 @@ def _torch_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict
                          generated / max(end - first, 1e-9))  # as mlx-lm counts it
 
 
+def _save_outputs(outputs: list[tuple[str, Callable[[], None]]]) -> bool:
+    """Save each of `(label, save)` on its own, one failing losing none of the others;
+    whether one failed (each said once)."""
+    unsaved = False
+    for label, save in outputs:
+        try:
+            save()
+            _tell(f"{label} saved", err=True)
+        except (ValueError, OSError) as e:
+            _tell(f"Error: {label} not saved: {e}", err=True)
+            unsaved = True
+    return unsaved
+
+
+def _tell(message: str, err: bool = False) -> None:
+    """A line about the session's end, which a closed terminal (SIGHUP, then EIO on every
+    write) cannot show: lost, as the terminal is, rather than a traceback that stops the
+    outputs from being saved."""
+    try:
+        click.echo(message, err=err)
+    except OSError:
+        pass
+
+
 class _Terminated(BaseException):
     """SIGTERM or SIGHUP: the session ends, its outputs saved."""
 
@@ -284,14 +304,23 @@ class _Terminated(BaseException):
 def _terminate_as_interrupt():
     """SIGTERM and SIGHUP end the session (its outputs saved), where Ctrl-C stops an answer.
     Like Ctrl-C they wait for a cache step to end: cut short, its counts could be made twice
-    when the outputs are saved."""
+    when the outputs are saved. Yields `ending`, to call once the session ends: from then on
+    they change nothing (a terminal that closes sends SIGHUP after the reads that saw it
+    closed), so that nothing cuts the saving of the outputs short."""
+    ended = False
+
     def interrupt(signum, frame):
-        raise _Terminated
+        if not ended:
+            raise _Terminated
+
+    def ending() -> None:
+        nonlocal ended
+        ended = True
 
     handler = deferred(interrupt)
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        yield
+        yield ending
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

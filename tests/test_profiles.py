@@ -528,6 +528,33 @@ def test_sigterm_ends_an_interactive_chat_saving_profile_and_trace(tiny_model, t
     assert Trace.load(tmp_path / "t.npz").tokens > 0
 
 
+def test_a_chat_whose_terminal_closed_saves_its_outputs_without_a_traceback(tiny_model,
+                                                                             tmp_path):
+    """The terminal closing sends SIGHUP, and from then on every write to it fails (EIO): the
+    outputs are still saved, and the chat ends with status 1 and no traceback (stderr here is
+    a pipe, as when it is redirected to a log)."""
+    import pty
+
+    terminal, chat_side = pty.openpty()
+    chat = subprocess.Popen(
+        [*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4", "--profile", "save",
+         str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz")],
+        stdin=chat_side, stdout=chat_side, stderr=subprocess.PIPE, text=True)
+    os.close(chat_side)
+    os.write(terminal, (PROMPT + "\n").encode())
+    shown = b""
+    while b"hit rate" not in shown:  # the first answer is done
+        shown += os.read(terminal, 4096)
+    chat.send_signal(signal.SIGSTOP)  # both land before it reads again, as when the terminal
+    os.close(terminal)  # closes: its writes fail (EIO) and SIGHUP comes
+    chat.send_signal(signal.SIGHUP)
+    chat.send_signal(signal.SIGCONT)
+    _, err = chat.communicate(timeout=60)
+    assert chat.returncode == 1 and "Traceback" not in err, err
+    assert Profile.load(tmp_path / "p.json").tokens > 0
+    assert Trace.load(tmp_path / "t.npz").tokens > 0
+
+
 def test_a_read_error_mid_chat_is_a_one_line_error(tiny_model, tmp_path):
     code = (
         "import errno, os; from mlx_moestream import cli; "
