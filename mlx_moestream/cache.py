@@ -282,7 +282,8 @@ class ExpertCache:
         call's `call_experts` unpinned), both in the first list, in file order (layer, expert).
         The caller `admit`s the first and loads them, then `pin`s the second, those that got a
         slot: the runtime and replay pre-warm alike. Mid-session, the hottest experts that are
-        resident already are pinned as they are; the others are read into free slots."""
+        resident already are pinned as they are; the others are read into free slots, as
+        many as each partition has room for."""
         check_shares(share, pin_share)
         layers = self.policy_of
         hot = profile.hottest(self.num_slots, [int(self.limit[l]) if l in layers else 0
@@ -299,8 +300,25 @@ class ExpertCache:
         seed = profile.seed_counts(SEED_USES)
         self.seed({int(self.key_of[l, e]): float(seed[l, e])
                    for l in layers for e in np.flatnonzero(seed[l])})
-        missing = [(l, e) for l, e in hot if self.slot_of[l, e] < 0]
-        return sorted({*missing[:soft], *(p for p in pins if self.slot_of[p] < 0)}), pins
+        reads = {p for p in pins if self.slot_of[p] < 0}
+        # the room left in each partition (every layer's, in one shared pool): pins read first
+        room = {l: self.limit[l] - self.resident_in(l) for l in layers} if self.per_layer else None
+        if room is not None:
+            for layer, _ in reads:
+                room[layer] -= 1
+        for pick in hot:
+            if soft <= 0:
+                break
+            if self.slot_of[pick] >= 0:
+                continue
+            if pick in reads:  # a pin among the hottest counts toward the share
+                soft -= 1
+            elif room is None or room[pick[0]] > 0:
+                reads.add(pick)
+                soft -= 1
+                if room is not None:
+                    room[pick[0]] -= 1
+        return sorted(reads), pins
 
     def pin(self, layer: int, expert: int) -> None:
         """Keep a resident expert for good: it leaves its policy, so it is never a victim."""

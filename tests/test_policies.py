@@ -680,3 +680,16 @@ def test_a_prewarm_share_below_what_is_resident_reads_nothing_more():
         _request(cache, layer, [0, 1, 2])
     picks, pins = cache.prewarm_plan(trace_profile(trace, np.arange(40), "w"), 0.5, 0.0, 2)
     assert picks == [] and pins == []
+
+
+def test_a_prewarm_of_a_per_layer_pool_mid_session_fills_the_layers_with_room():
+    """Layer 0's partition is full and its hottest experts are elsewhere: the picks go to
+    layer 1, which has room, not to layer 0's experts that no slot can take."""
+    from mlx_moestream.profiles import Profile
+
+    cache = _cache(4, layers=2, num_experts=4, policy="cyclic", layer_slots=[2, 2])
+    _request(cache, 0, [0, 1])
+    decayed = np.array([[0.0, 0.0, 9.0, 8.0], [3.0, 2.0, 0.0, 0.0]])
+    profile = Profile("w", {}, decayed.astype(np.int64), decayed, 10, 32, ["l0", "l1"])
+    picks, _ = cache.prewarm_plan(profile, 1.0, 0.0, 2)
+    assert [pick for pick in picks if cache.admit(*pick) is not None] == [(1, 0), (1, 1)]
