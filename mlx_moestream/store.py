@@ -117,30 +117,31 @@ class TensorInfo:
 
 def read_header(path: Path) -> tuple[dict, int]:
     """Parse a safetensors header; returns (header, absolute offset of the data section)."""
+    raw = header_bytes(path)
     try:
-        return _read_header(path)
-    except OSError as e:  # a directory, a symlink loop, no permission
-        raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise StoreError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise StoreError(
-                f"{path}: header claims {n} bytes but the file has {size}: truncated or corrupt"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise StoreError(f"{path}: corrupt safetensors header JSON ({e})") from None
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{path}: corrupt safetensors header JSON ({e})") from None
     if not isinstance(header, dict):
         raise StoreError(f"{path}: corrupt safetensors header (not a JSON object)")
-    return header, 8 + n
+    return header, 8 + len(raw)
+
+
+def header_bytes(path: Path) -> bytes:
+    """A safetensors file's header as stored, its length checked against the file's size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise StoreError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise StoreError(f"{path}: header claims {n} bytes but the file has {size}: "
+                                 f"truncated or corrupt")
+            return f.read(n)
+    except OSError as e:  # a directory, a symlink loop, no permission
+        raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def index_file(path: Path, file_id: int) -> dict[str, TensorInfo]:
@@ -239,9 +240,7 @@ def source_digest(files: list[Path]) -> list[dict]:
     modification time says."""
     out = []
     for path in files:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = f.read(n)
+        header = header_bytes(path)
         size, mtime_ns, ctime_ns = _identity(path.stat())
         out.append({"file": path.name, "bytes": size, "mtime_ns": mtime_ns,
                     "ctime_ns": ctime_ns, "header_sha256": hashlib.sha256(header).hexdigest()})

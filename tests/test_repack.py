@@ -3,6 +3,7 @@
 import json
 import mmap
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,6 +141,19 @@ def test_a_copy_of_experts_since_rewritten_in_place_is_ignored_and_verify_says_s
     with pytest.warns(UserWarning, match="made from other model files"):
         store = ExpertStore(path)
     assert store.files[-1].name == "model.safetensors"
+
+
+@pytest.mark.parametrize("shard, message", [
+    (b"\0" * 4, "truncated safetensors file (4 bytes, no header)"),  # a download cut short
+    (b"version https://git-lfs.github.com/spec/v1\n", "header claims"),  # a clone without LFS
+])
+def test_verify_against_a_shard_that_is_not_safetensors_is_an_error_naming_it(model_copy, shard,
+                                                                             message):
+    path = model_copy("qwen3_moe")
+    folder = repack(path)
+    (path / "model.safetensors").write_bytes(shard)
+    with pytest.raises(StoreError, match=f"model.safetensors: {re.escape(message)}"):
+        verify(folder, path)
 
 
 def test_a_copy_of_experts_rewritten_in_place_with_the_old_modification_time_is_ignored(
