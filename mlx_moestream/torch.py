@@ -27,6 +27,7 @@ import mmap
 import queue
 import re
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -107,6 +108,8 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         _stream(modules[e.module], i, runtime, router, None if rows else placed)
     lm.moestream = runtime
     lm.save_pretrained = _refuse_saving
+    if not (runtime.holds_all and rows):  # else no expert is read again, and they compute
+        _refuse_loading_experts(lm, [modules[e.module] for e in experts])  # from their rows
     if prefetch:
         runtime.enable_prefetch()
     if runtime.holds_all:
@@ -125,6 +128,29 @@ def _refuse_saving(*args, **kwargs) -> None:
     """`save_pretrained`, and the state dict of an experts module (`state_dict`, `torch.save`)."""
     raise ModelError("a streamed model holds only its resident experts: saving it would write "
                      "the others as zeros; copy the checkpoint it was loaded from")
+
+
+def _refuse_loading_experts(lm: torch.nn.Module, experts: list[torch.nn.Module]) -> None:
+    """`load_state_dict` of expert weights, from any module above them, before it copies
+    anything: an evicted expert is read again from the checkpoint (and on a GPU they compute
+    from the slot pools), so the new weights would not last and the model would mix them
+    with the checkpoint's. (A partial of a named function: pickling the model must reach the
+    runtime, which refuses clearly, not fail on a local function.)"""
+    streamed = frozenset(id(p) for module in experts for _, p in _expert_params(module))
+    for module in lm.modules():
+        if any(id(p) in streamed for p in module.parameters()):
+            module.register_load_state_dict_pre_hook(partial(_refuse_loading, streamed))
+
+
+def _refuse_loading(streamed: frozenset[int], module: torch.nn.Module, state_dict: dict,
+                    prefix: str, *args) -> None:
+    for name, param in module.named_parameters():
+        if id(param) in streamed and prefix + name in state_dict:
+            raise ModelError(
+                f"{prefix + name}: weights loaded into a streamed model's experts would not "
+                f"last (evicted experts are read again from the checkpoint): save them as a "
+                f"checkpoint and load that, or load on the CPU with a budget that holds every "
+                f"expert")
 
 
 def _device(name: str | torch.device) -> torch.device:

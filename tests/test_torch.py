@@ -752,6 +752,36 @@ def test_saving_a_streamed_model_is_refused(hf_model, tmp_path):
     assert not (tmp_path / "state.pt").exists()
 
 
+def test_loading_expert_weights_into_a_streamed_model_is_refused_before_anything_is_copied(
+        hf_model):
+    """Evicted experts are read again from the checkpoint: the loaded weights would be lost
+    there and kept elsewhere, a silent mix of the two."""
+    path = hf_model("qwen3_moe")
+    changed = {name: weight + 0.5 for name, weight in transformers.AutoModelForCausalLM
+               .from_pretrained(path, dtype=torch.float32).state_dict().items()}
+    model, _ = moestream_torch.load(path, budget="25%")
+    with torch.no_grad():
+        before = model(PROMPT).logits
+    for module in (model, model.model.layers[1].mlp):
+        with pytest.raises(ModelError, match=r"experts.gate_up_proj: weights loaded into a "
+                                             r"streamed model's experts would not last"):
+            module.load_state_dict({k.removeprefix("model.layers.1.mlp.") if module is not model
+                                    else k: v for k, v in changed.items()}, strict=False)
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, before)
+
+
+def test_weights_loaded_where_every_expert_stays_resident_give_stock_outputs_with_them(hf_model):
+    path = hf_model("qwen3_moe")
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    changed = {name: weight + 0.5 for name, weight in stock.state_dict().items()}
+    stock.load_state_dict(changed)
+    model, _ = moestream_torch.load(path, budget="100%")
+    model.load_state_dict(changed)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=8),
+                       stock.generate(PROMPT, max_new_tokens=8))
+
+
 @pytest.mark.parametrize("copy_", [copy.deepcopy, pickle.dumps,
                                    lambda model: torch.save(model, io.BytesIO())])
 def test_copying_or_pickling_a_streamed_model_is_refused_clearly(hf_model, copy_):
