@@ -108,6 +108,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         _stream(modules[e.module], i, runtime, router, None if rows else placed)
     lm.moestream = runtime
     lm.save_pretrained = _refuse_saving
+    _compile_every_layer(len(experts))
     if not (runtime.holds_all and rows):  # else no expert is read again, and they compute
         _refuse_loading_experts(lm, [modules[e.module] for e in experts])  # from their rows
     if prefetch:
@@ -128,6 +129,18 @@ def _refuse_saving(*args, **kwargs) -> None:
     """`save_pretrained`, and the state dict of an experts module (`state_dict`, `torch.save`)."""
     raise ModelError("a streamed model holds only its resident experts: saving it would write "
                      "the others as zeros; copy the checkpoint it was loaded from")
+
+
+def _compile_every_layer(moe_layers: int) -> None:
+    """Raise dynamo's recompile limits (never lower them) so that `torch.compile` compiles
+    the model as a whole, as stock's: the code after each experts call (a graph break)
+    compiles once per layer and shape, 3 times a layer in `generate`, and past the limit
+    (8) the rest ran eagerly, its logits off stock compiled's by ~1e-7."""
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * moe_layers)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit,
+                                             8 * moe_layers)
 
 
 def _refuse_loading_experts(lm: torch.nn.Module, experts: list[torch.nn.Module]) -> None:

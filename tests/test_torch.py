@@ -813,18 +813,20 @@ def test_gradients_with_every_expert_resident_equal_the_loaded_models(hf_model):
 
 @pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
                     reason="torch.compile's inductor needs a C compiler")
-def test_torch_compile_of_a_streamed_model_matches_stock_compiled(hf_model):
+def test_torch_compile_of_a_streamed_model_generates_as_stock_compiled(hf_model):
     """Dynamo skips the streaming bookkeeping (numpy, a lock): inductor failed on the policy's
-    numpy at the second call."""
+    numpy at the second call. The code after each experts call compiles once per layer and
+    shape: past dynamo's default limit, decode steps ran eagerly, off stock's by ~1e-7."""
     path = hf_model("qwen3_moe")
-    stock = torch.compile(transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32))
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model, _ = moestream_torch.load(path, budget="25%")
-    model = torch.compile(model)
-    with torch.no_grad():
-        for seed in range(2):
-            ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(seed))
-            assert torch.equal(model(ids).logits, stock(ids).logits)
+    steps = dict(max_new_tokens=4, do_sample=False, output_logits=True,
+                 return_dict_in_generate=True)
+    outputs = []
+    for lm in (stock, model):
+        lm.forward = torch.compile(lm.forward)
+        outputs.append(lm.generate(PROMPT, **steps).logits)
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
 
 
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
