@@ -369,15 +369,8 @@ def _interactive(answer, read=_read_line, fatal: bool = False) -> None:
 
 
 def _join_hosts(lm) -> None:
-    """Every host samples alike (host 0's seed) and only host 0 prints."""
-    import mlx.core as mx
-
-    rank = lm.moestream.host[0]
-    seed = mx.distributed.all_sum(mx.array(int.from_bytes(os.urandom(3), "big") if rank == 0
-                                           else 0))
-    with lm.moestream.watchdog:
-        mx.random.seed(int(seed.item()))
-    if rank:
+    """Only host 0 prints (every host samples alike: see `loader._join`)."""
+    if lm.moestream.host[0]:
         sys.stdout = open(os.devnull, "w")
 
 

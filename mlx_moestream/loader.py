@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import math
 import numbers
+import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -135,7 +137,7 @@ def load(
             store.drop_cached()
             if profile is not None:
                 runtime.prewarm(profile, prewarm_share, pin_share, progress)
-            digest = store.fingerprint() if group is not None else None
+            digest = _checkpoint_digest(path, store) if group is not None else None
         except Exception as e:
             if group is None:
                 raise
@@ -159,14 +161,32 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _checkpoint_digest(path: Path, store) -> bytes:
+    """What every host must have alike: the weights (`ExpertStore.fingerprint`), and the
+    config and tokenizer files, which shape the computation and the tokens each host feeds."""
+    digest = hashlib.sha256(store.fingerprint())
+    for file in sorted(path.iterdir()):
+        if file.suffix in CHECKPOINT_TEXTS and file.is_file():
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return digest.digest()
+
+
+# the files besides the weights that mlx-lm and the tokenizers read
+CHECKPOINT_TEXTS = {".json", ".jinja", ".model", ".txt", ".tiktoken", ".py"}
+
+
 def _join(group, digest: bytes | None, error: Exception | None = None) -> None:
     """Every host's load ends here, together (a collective: a slow load does not count
     against another host's exchange timeout). A host that failed raises its error, the others
-    name it; hosts whose checkpoints differ (`ExpertStore.fingerprint`) refuse to run: the
-    sum of their experts' outputs would be another model's. Returns on every host or none."""
-    mine = np.zeros(9, np.int32)  # loaded, then the digest's 32 bytes
+    name it; hosts whose checkpoints differ (`_checkpoint_digest`) refuse to run: the sum of
+    their experts' outputs would be another model's. Returns on every host or none, each
+    seeding MLX's random generator with host 0's seed: hosts that sample (`temp` above 0)
+    feed the same token, as their outputs' sum needs."""
+    mine = np.zeros(10, np.int32)  # loaded, the digest's 32 bytes, then host 0's seed
     if error is None:
-        mine[0], mine[1:] = 1, np.frombuffer(digest, np.int32)
+        mine[0], mine[1:9] = 1, np.frombuffer(digest, np.int32)
+        if group.rank() == 0:
+            mine[9] = int.from_bytes(os.urandom(3), "big")
     hosts = mx.distributed.all_gather(mx.array(mine), group=group)
     try:
         mx.eval(hosts)  # see `host_stats`
@@ -176,15 +196,17 @@ def _join(group, digest: bytes | None, error: Exception | None = None) -> None:
                              ) from None
     if error is not None:
         raise error
-    hosts = np.array(hosts).reshape(-1, 9)
+    hosts = np.array(hosts).reshape(-1, 10)
     failed = [str(h) for h in range(len(hosts)) if not hosts[h, 0]]
     if failed:
         raise ModelError(f"host {', '.join(failed)} could not load the model (its error is in "
                          "its output)")
-    other = [str(h) for h in range(len(hosts)) if (hosts[h] != hosts[0]).any()]
+    other = [str(h) for h in range(len(hosts)) if (hosts[h, :9] != hosts[0, :9]).any()]
     if other:
-        raise ModelError(f"host {', '.join(other)} has another checkpoint than host 0 (files, "
-                         "sizes or bytes differ): every host needs the same model")
+        raise ModelError(f"host {', '.join(other)} has another checkpoint than host 0 (its "
+                         "weights, config or tokenizer files differ): every host needs the "
+                         "same model")
+    mx.random.seed(int(hosts[0, 9]))
 
 
 def _host_group():

@@ -36,6 +36,7 @@ from .hub import ModelError
 from .interrupts import CRITICAL
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
 from .runtime import Runtime, SlotPool, not_copyable
+from .store import StoreError
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
 SORTED_IDS = 64  # SwitchGLU and SwitchMLP sort a call of this many ids or more (`do_sort`)
@@ -362,6 +363,24 @@ class HostExperts(nn.Module):
         object.__setattr__(self, "runtime", runtime)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        try:
+            y, owned = self._own_part(x, indices)
+        except StoreError as e:
+            # A read error is this host's alone: raised here, it would skip the exchange the
+            # others wait in, and pair each later one with another layer's (wrong outputs on
+            # every host). It ends this host instead, and the others as a lost host does.
+            print(f"Error: host {self.runtime.host[0]}: {e} (the other hosts wait for its part "
+                  f"of this layer: every host ends)", file=sys.stderr, flush=True)
+            os._exit(1)
+        y = mx.where(owned[..., None], y, 0)
+        y = mx.distributed.all_sum(y, group=self.group)
+        with self.runtime.watchdog:
+            mx.eval(y)
+        self.runtime.count_sync()
+        return y
+
+    def _own_part(self, x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
+        """The outputs of the positions routed to this host's experts, and where those are."""
         if isinstance(self.local, StreamingExperts):  # it syncs for the ids anyway: once here
             self.local.start_routing(indices)
             ids = np.array(indices).astype(np.int32) - self.first
@@ -381,12 +400,7 @@ class HostExperts(nn.Module):
             ids = indices.astype(mx.int32) - self.first
             owned = (ids >= 0) & (ids < self.count)
             y = self.local(x, mx.where(owned, ids, -1))
-        y = mx.where(owned[..., None], y, 0)
-        y = mx.distributed.all_sum(y, group=self.group)
-        with self.runtime.watchdog:
-            mx.eval(y)
-        self.runtime.count_sync()
-        return y
+        return y, owned
 
 
 class Watchdog:

@@ -1,6 +1,6 @@
-"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: host 1 hangs or
-exits after loading; host 0 must end with a clear error, not wait forever, whatever it waits
-for: a forward call (`decode`), the hosts' statistics (`stats`), or its input line reaching
+"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: host 1 hangs,
+exits after loading, or fails its first read (`read-error`); host 0 must end with a clear
+error, not wait forever, whatever it waits for: a forward call (`decode`), the hosts' statistics (`stats`), or its input line reaching
 the others (`line`, as `chat` sends it)."""
 
 import builtins
@@ -10,11 +10,17 @@ import time
 
 import mlx_moestream
 from mlx_moestream import cli
+from mlx_moestream.store import StoreError
 from mlx_moestream.testing import greedy_logits
 
 path, mode, step = sys.argv[1], sys.argv[2], sys.argv[3]
 model, _ = mlx_moestream.load(path, budget="60%", distributed=True, timeout_seconds=3)
-if model.moestream.host[0] == 1:
+if mode == "read-error" and model.moestream.host[0] == 1:  # its first read fails
+    def failing(*args):
+        raise StoreError("injected read error")
+
+    model.moestream.store.read_expert = failing
+elif model.moestream.host[0] == 1:
     if mode == "hang":
         time.sleep(600)
     os._exit(0)

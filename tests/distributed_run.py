@@ -11,10 +11,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
 
 import mlx_moestream
 from mlx_moestream.store import ExpertStore
-from mlx_moestream.testing import greedy_logits
+from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
 def reads_only_its_experts(runtime) -> bool:
     """Every byte range this host's store can read is one of its own experts'."""
@@ -42,6 +44,8 @@ def check(path: str, budget: str, out: Path) -> None:
     expected = greedy_logits(mlx_lm.load(path)[0], decode_tokens=12)
     model, _ = mlx_moestream.load(path, budget=budget, distributed=True)
     got = greedy_logits(model, decode_tokens=12)
+    sampled = generate_step(mx.array(PROMPT_IDS[0, :8]), model, max_tokens=8,
+                            sampler=make_sampler(temp=1.0))
     stats, hosts = mlx_moestream.stats(model), mlx_moestream.host_stats(model)
     (out / f"host{stats['host']}.json").write_text(json.dumps({
         "host": stats["host"],
@@ -54,6 +58,7 @@ def check(path: str, budget: str, out: Path) -> None:
         "layer_calls": 13 * model.moestream.plan.num_layers,  # a prompt and 12 tokens
         "own_reads": reads_only_its_experts(model.moestream),
         "combined_loads": hosts["combined"]["loads"],
+        "sampled": [int(token) for token, _ in sampled],
         "profile_refused": refused(lambda: mlx_moestream.save_profile(model, out / "p.json")),
         "trace_refused": refused(lambda: mlx_moestream.start_trace(model)),
     }))

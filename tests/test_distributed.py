@@ -54,6 +54,13 @@ def test_two_hosts_match_one_stock_process_bit_for_bit(run_hosts, arch, bits):
     assert hosts[0]["combined_loads"] == sum(h["loads"] for h in hosts)
 
 
+def test_hosts_sample_the_same_tokens(run_hosts):
+    """Each host computes its experts for the token it sampled: hosts that sampled apart sum
+    outputs of different tokens. Loading seeds every host alike."""
+    hosts, _ = run_hosts["qwen3_moe", None]
+    assert hosts[0]["sampled"] == hosts[1]["sampled"]
+
+
 def test_a_host_refuses_to_record_a_profile_or_a_trace(run_hosts):
     """A host sees its own experts only, numbered from 0: its profile or trace would be
     another model's under this one's fingerprint."""
@@ -85,12 +92,35 @@ def load_on_hosts(path0, budget0, path1, budget1) -> list[str]:
     return sorted(line for line in out.stdout.splitlines() if line.startswith("host "))
 
 
-def test_hosts_with_different_checkpoints_refuse_to_run(tiny_model):
-    """The same config and layout, other weights: the exchanged outputs would be another
-    model's. Every host refuses."""
-    lines = load_on_hosts(tiny_model("qwen3_moe"), "60%", tiny_model("qwen3_moe", seed=1), "60%")
+@pytest.mark.parametrize("change", ["weights", "config.json", "tokenizer_config.json"])
+def test_hosts_with_different_checkpoints_refuse_to_run(tiny_model, tmp_path, change):
+    """Other weights, another config (the same layout) or another chat template: the exchanged
+    outputs would be another model's, or of other tokens. Every host refuses."""
+    path = tiny_model("qwen3_moe")
+    if change == "weights":
+        other = tiny_model("qwen3_moe", seed=1)
+    else:
+        other = shutil.copytree(path, tmp_path / "other")
+        settings = json.loads((other / change).read_text())
+        if change == "config.json":
+            settings["rope_theta"] = 1234.0
+        else:
+            settings["chat_template"] = "{{ messages[0]['content'] }}"
+        (other / change).write_text(json.dumps(settings))
+    lines = load_on_hosts(path, "60%", other, "60%")
     assert len(lines) == 2
     assert all("host 1 has another checkpoint than host 0" in line for line in lines), lines
+
+
+def test_a_read_error_on_one_host_ends_every_host_in_one_line(tiny_model):
+    """Raised on its host alone, it would skip the exchange the others wait in, and pair each
+    later one with another layer's: wrong outputs on every host."""
+    out = launch(Path(__file__).with_name("distributed_lost_host.py"), tiny_model("qwen3_moe"),
+                 "read-error", "decode", timeout=120)
+    assert "Error: host 1: injected read error" in out.stderr
+    assert "rank 1 exited with code 1" in out.stderr
+    assert "Error: [ring] connection to a peer was lost" in out.stderr  # host 0's (as it ends,
+    # mlx.launch may end it first)
 
 
 def test_a_load_failing_on_one_host_fails_every_host_in_one_line(tiny_model):
