@@ -64,7 +64,7 @@ class Prefetch:
             return
         with CRITICAL:
             loads, evicted = cache.prefetch(nxt, predicted, self.reading)
-            runtime.evicted(evicted)
+            runtime.evicted(evicted, nxt, loads)
             started: list[tuple[int, Future]] = []
             try:
                 runtime.submit_reads(nxt, loads, started)

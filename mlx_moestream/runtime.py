@@ -330,7 +330,7 @@ class Runtime:
         loads, hits, evicted = self.layer_cache[layer].request(layer, experts)
         self.held.append((self.stats.count_request, (layer, hits, len(loads))))
         if evicted:
-            self.evicted(evicted)
+            self.evicted(evicted, layer, loads)
         return loads
 
     def tally(self) -> None:
@@ -348,19 +348,28 @@ class Runtime:
             self.count_deferred()
             self.tally()
 
-    def evicted(self, keys: list[int]) -> None:
-        """Release the cache's victims (`layer * num_experts + expert`); their count is held
-        until the call's tally."""
+    def evicted(self, keys: list[int], layer: int, loads: list[tuple[int, int]]) -> None:
+        """Release the cache's victims (`layer * num_experts + expert`), whose slots `loads`
+        (`layer`'s (expert, slot) reads, decided with them) were given; their count is held
+        until the call's tally. A release that fails (madvise) or is cut short (a signal
+        handler that raises) leaves no read to come: those experts leave their slots, which
+        they would claim with bytes that never landed."""
         self.held.append((self.stats.count_evictions, (keys,)))
-        self._release(keys)
+        try:
+            self._release(keys)
+        except BaseException:
+            self.forget(layer, *(expert for expert, _ in loads))
+            raise
 
-    def forget(self, layer: int, expert: int) -> None:
-        """An expert whose read failed or was cut short leaves its slot, so it is never read as
-        valid (again: nothing, if it left already). A step of its own: the policy updates
+    def forget(self, layer: int, *experts: int) -> None:
+        """Experts whose reads failed or were cut short (or never started) leave their slots,
+        so they are never read as valid (again: nothing for one that left already), every one
+        before any is released (a release may fail). A step of its own: the policy updates
         held before it are made first, and an interrupt must not cut them short."""
         with CRITICAL:
-            if self.layer_cache[layer].discard(layer, expert):
-                self._release([layer * self.plan.num_experts + expert])
+            gone = [layer * self.plan.num_experts + expert for expert in experts
+                    if self.layer_cache[layer].discard(layer, expert)]
+            self._release(gone)
 
     def _release(self, keys: list[int]) -> None:
         """Tell the pools that want to know that keys left their slots."""

@@ -1,6 +1,7 @@
 """The torch backend streams transformers MoE models exactly: equal to `from_pretrained`'s."""
 
 import copy
+import errno
 import io
 import json
 import pickle
@@ -750,6 +751,28 @@ def test_saving_a_streamed_model_is_refused(hf_model, tmp_path):
     with pytest.raises(ModelError, match="saving it would write the others as zeros"):
         torch.save(model.state_dict(), tmp_path / "state.pt")
     assert not (tmp_path / "state.pt").exists()
+
+
+def test_an_eviction_whose_release_fails_leaves_no_expert_claiming_bytes_never_read(
+        hf_model, hf_reference, monkeypatch):
+    """The call's experts have their slots once the cache decides, and the victims' memory
+    goes back (madvise) before the reads: a release failing (EAGAIN, or a signal handler that
+    raises there) left them resident over bytes that never landed, and later calls computed
+    from those."""
+    path = hf_model("qwen3_moe")
+    model, _ = moestream_torch.load(path, budget="25%")
+    release, failed = moestream_torch._RowPool.release, []
+
+    def failing_once(pool, *args):
+        if not failed:
+            failed.append(args)
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        return release(pool, *args)
+
+    monkeypatch.setattr(moestream_torch._RowPool, "release", failing_once)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        run(model)
+    assert_equal_runs(run(model), hf_reference(path, torch.float32))
 
 
 def test_loading_expert_weights_into_a_streamed_model_is_refused_before_anything_is_copied(
