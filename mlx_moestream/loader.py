@@ -161,7 +161,11 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _checkpoint_digest(path: Path, store) -> bytes:
+# the files besides the weights that mlx-lm and the tokenizers read
+CHECKPOINT_TEXTS = {".json", ".jinja", ".model", ".txt", ".tiktoken", ".py"}
+
+
+def _checkpoint_digest(path: Path, store: ExpertStore) -> bytes:
     """What every host must have alike: the weights (`ExpertStore.fingerprint`), and the
     config and tokenizer files, which shape the computation and the tokens each host feeds."""
     digest = hashlib.sha256(store.fingerprint())
@@ -169,10 +173,6 @@ def _checkpoint_digest(path: Path, store) -> bytes:
         if file.suffix in CHECKPOINT_TEXTS and file.is_file():
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
     return digest.digest()
-
-
-# the files besides the weights that mlx-lm and the tokenizers read
-CHECKPOINT_TEXTS = {".json", ".jinja", ".model", ".txt", ".tiktoken", ".py"}
 
 
 def _join(group, digest: bytes | None, error: Exception | None = None) -> None:
