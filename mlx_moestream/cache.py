@@ -6,6 +6,7 @@ these same classes. A key is `layer * num_experts + expert`.
 
 from __future__ import annotations
 
+import math
 import numbers
 from functools import partial
 from typing import Callable, Sequence
@@ -301,11 +302,11 @@ class ExpertCache:
         self.seed({int(self.key_of[l, e]): float(seed[l, e])
                    for l in layers for e in np.flatnonzero(seed[l])})
         reads = {p for p in pins if self.slot_of[p] < 0}
-        # the room left in each partition (every layer's, in one shared pool): pins read first
-        room = {l: self.limit[l] - self.resident_in(l) for l in layers} if self.per_layer else None
-        if room is not None:
-            for layer, _ in reads:
-                room[layer] -= 1
+        # the room left in each partition, pins read first (one shared pool: `soft` alone)
+        room = {l: self.limit[l] - self.resident_in(l) if self.per_layer else math.inf
+                for l in layers}
+        for layer, _ in reads:
+            room[layer] -= 1
         for pick in hot:
             if soft <= 0:
                 break
@@ -313,11 +314,10 @@ class ExpertCache:
                 continue
             if pick in reads:  # a pin among the hottest counts toward the share
                 soft -= 1
-            elif room is None or room[pick[0]] > 0:
+            elif room[pick[0]] > 0:
                 reads.add(pick)
                 soft -= 1
-                if room is not None:
-                    room[pick[0]] -= 1
+                room[pick[0]] -= 1
         return sorted(reads), pins
 
     def pin(self, layer: int, expert: int) -> None:

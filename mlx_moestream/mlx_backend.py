@@ -369,9 +369,8 @@ class HostExperts(nn.Module):
             # A read error is this host's alone: raised here, it would skip the exchange the
             # others wait in, and pair each later one with another layer's (wrong outputs on
             # every host). It ends this host instead, and the others as a lost host does.
-            print(f"Error: host {self.runtime.host[0]}: {e} (the other hosts wait for its part "
-                  f"of this layer: every host ends)", file=sys.stderr, flush=True)
-            os._exit(1)
+            end_host(f"host {self.runtime.host[0]}: {e} (the other hosts wait for its part of "
+                     f"this layer: every host ends)")
         y = mx.where(owned[..., None], y, 0)
         y = mx.distributed.all_sum(y, group=self.group)
         with self.runtime.watchdog:
@@ -403,6 +402,14 @@ class HostExperts(nn.Module):
         return y, owned
 
 
+def end_host(message: str) -> None:
+    """End this host's process at once with a one-line error: the other hosts, left waiting
+    in an exchange, then end as on a lost host. (No cleanup runs: a thread may be blocked in
+    the exchange, which nothing else can end.)"""
+    print(f"Error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 class Watchdog:
     """Ends the process with a clear error when a step that waits on the other hosts takes
     longer than `seconds`: a host that hangs or cannot be reached must not hang the others
@@ -424,9 +431,8 @@ class Watchdog:
             time.sleep(min(1.0, self.seconds / 4))
             deadline = self.deadline
             if deadline is not None and time.monotonic() > deadline:
-                print(f"Error: no answer from the other hosts for {self.seconds:g} s: a host "
-                      "has stopped or cannot be reached", file=sys.stderr, flush=True)
-                os._exit(1)
+                end_host(f"no answer from the other hosts for {self.seconds:g} s: a host has "
+                         "stopped or cannot be reached")
 
 
 def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=None,
