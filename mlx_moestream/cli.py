@@ -19,7 +19,6 @@ from typing import Callable
 import click
 
 from .budget import BudgetError, format_bytes, resolve_budget
-from .interrupts import deferred
 from .policies import DEFAULT_POLICY, POLICIES
 
 LIVE_POLICIES = [name for name in POLICIES if name != "belady"]  # belady needs the future
@@ -303,10 +302,10 @@ class _Terminated(BaseException):
 @contextmanager
 def _terminate_as_interrupt():
     """SIGTERM and SIGHUP end the session (its outputs saved), where Ctrl-C stops an answer.
-    Like Ctrl-C they wait for a cache step to end: cut short, its counts could be made twice
-    when the outputs are saved. Yields `ending`, to call once the session ends: from then on
-    they change nothing (a terminal that closes sends SIGHUP after the reads that saw it
-    closed), so that nothing cuts the saving of the outputs short."""
+    Like Ctrl-C they wait for a cache step to end (`interrupts.DEFERRED`): cut short, its
+    counts could be made twice when the outputs are saved. Yields `ending`, to call once the
+    session ends: from then on they change nothing (a terminal that closes sends SIGHUP after
+    the reads that saw it closed), so that nothing cuts the saving of the outputs short."""
     ended = False
 
     def interrupt(signum, frame):
@@ -317,8 +316,7 @@ def _terminate_as_interrupt():
         nonlocal ended
         ended = True
 
-    handler = deferred(interrupt)
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield ending
     finally:

@@ -6,7 +6,9 @@ runs such steps inside `critical()`: a SIGINT that arrives there is delivered wh
 ends, a few milliseconds later, wherever the caller expects it (`chat` goes on with the same
 model). Signals reach only the main thread, so only its steps defer them. A handler set after
 ours (Jupyter sets one before every cell) is swapped out for the step, ours standing in.
-Other signals that end a session (`chat`'s SIGTERM) wait the same way through `deferred`.
+The Python handlers of the other signals a program catches to stop work (`DEFERRED`: a
+harness's SIGALRM timeout, a server's SIGTERM) wait the same way: raised inside a step, they
+left the cache's bookkeeping half done, and every later call failed.
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ from __future__ import annotations
 import _signal  # `signal.getsignal` without its enum conversion (see `critical`)
 import signal
 import threading
-from typing import Callable
 
 _MAIN = threading.main_thread().ident
+# SIGINT first: its handler is ours between steps too (`install_handler`); the others' are
+# swapped for ours only during a step, and only where a Python handler is set
+DEFERRED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM",
+                                                   "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 
 
 class _Deferral:
     depth = 0  # critical steps the main thread is inside
-    pending: tuple | None = None  # (signum, frame) of a SIGINT that arrived inside one
-    other: tuple | None = None  # (handler, signum, frame) of another signal (see `deferred`)
-    previous = None  # the handler ours wraps
-    replaced = None  # a handler set after ours, swapped out for the current step
+    pending: list[int] = []  # signals that arrived inside one, raised again at its end
+    previous = None  # the SIGINT handler ours wraps
+    replaced: dict = {}  # per signal, the handler swapped out for the current step
 
 
 def install_handler() -> None:
@@ -34,36 +38,26 @@ def install_handler() -> None:
     if threading.get_ident() != _MAIN:
         return
     current = _signal.getsignal(signal.SIGINT)
-    if current is _on_sigint or not callable(current):
+    if current is _on_signal or not callable(current):
         return
     _Deferral.previous = current
-    signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGINT, _on_signal)
 
 
-def _on_sigint(signum, frame) -> None:
+def _on_signal(signum, frame) -> None:
     if _Deferral.depth:
-        _Deferral.pending = (signum, frame)
-    else:
-        (_Deferral.replaced or _Deferral.previous)(signum, frame)
-
-
-def deferred(handler: Callable) -> Callable:
-    """`handler` as a signal handler that, like SIGINT's, waits for the end of a critical step:
-    for a signal whose handler raises. (Python runs handlers in the main thread.)"""
-    def on_signal(signum, frame) -> None:
-        if _Deferral.depth:
-            _Deferral.other = (handler, signum, frame)
-        else:
-            handler(signum, frame)
-
-    return on_signal
+        if signum not in _Deferral.pending:
+            _Deferral.pending.append(signum)
+    else:  # SIGINT between steps (others are ours only during one)
+        _Deferral.replaced.get(signum, _Deferral.previous)(signum, frame)
 
 
 class critical:
-    """A step that must finish once started: SIGINT waits for its end. Entered on every
-    layer call, right after the host waited for the device, when the code a step runs has left
-    the CPU caches: the handler is read with `_signal.getsignal`, which returns it as it is
-    (0.1 us then; `signal.getsignal` looks up an enum for it, 10 us then)."""
+    """A step that must finish once started: the signals of `DEFERRED` wait for its end.
+    Entered on every layer call, right after the host waited for the device, when the code a
+    step runs has left the CPU caches: handlers are read with `_signal.getsignal`, which
+    returns them as they are (0.1 us then; `signal.getsignal` looks up an enum for it, 10 us
+    then)."""
 
     __slots__ = ()
 
@@ -71,10 +65,11 @@ class critical:
         if threading.get_ident() != _MAIN:
             return
         if not _Deferral.depth:
-            current = _signal.getsignal(signal.SIGINT)
-            if current is not _on_sigint and callable(current):
-                _Deferral.replaced = current  # first: a SIGINT from here on reaches it
-                signal.signal(signal.SIGINT, _on_sigint)
+            for signum in DEFERRED:
+                current = _signal.getsignal(signum)
+                if current is not _on_signal and callable(current):
+                    _Deferral.replaced[signum] = current  # first: a signal from here on reaches it
+                    signal.signal(signum, _on_signal)
         _Deferral.depth += 1
 
     def __exit__(self, *exc) -> None:
@@ -83,17 +78,26 @@ class critical:
         if _Deferral.depth > 1:
             _Deferral.depth -= 1
             return
-        pending, _Deferral.pending = _Deferral.pending, None  # a later SIGINT is raised at once
-        other, _Deferral.other = _Deferral.other, None
         _Deferral.depth = 0
-        handler = _Deferral.replaced or _Deferral.previous
-        if _Deferral.replaced is not None:
-            signal.signal(signal.SIGINT, handler)
-            _Deferral.replaced = None
-        if other:  # it ends the session: first
-            other[0](*other[1:])
+        replaced, pending = _Deferral.replaced, _Deferral.pending
+        if replaced:
+            for signum, handler in replaced.items():
+                signal.signal(signum, handler)
+            _Deferral.replaced = {}
         if pending:
-            handler(*pending)
+            _Deferral.pending = []
+            _deliver(sorted(pending, key=lambda signum: signum != signal.SIGINT))
+
+
+def _deliver(signals: list[int]) -> None:
+    """Raise each signal again, now that its handler is back: every handler runs, also after
+    one raised, and the last one's exception propagates (SIGINT goes first: the others end
+    the program)."""
+    try:
+        signal.raise_signal(signals[0])
+    finally:
+        if len(signals) > 1:
+            _deliver(signals[1:])
 
 
 CRITICAL = critical()

@@ -99,6 +99,44 @@ def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, 
     assert _equals_stock(model, reference(path))
 
 
+class _Timeout(Exception):
+    pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGALRM, signal.SIGTERM])
+def test_a_raising_handler_of_another_signal_inside_a_cache_step_runs_after_it(
+        tiny_model, reference, monkeypatch, signum):
+    """A harness's SIGALRM timeout or a server's SIGTERM whose handler raises: raised once the
+    policy chose its victims, before the cache took them, it left them resident to the cache
+    and gone to the policy, and every later call failed ("every resident expert is in use").
+    It must run once the step ends, and later generations be exact."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    runtime = model.moestream
+    policy = runtime.caches[0].policies[0]
+    original, calls = policy._evict_least, itertools.count()
+
+    def signalling(*args):
+        result = original(*args)
+        if next(calls) == 8:
+            signal.raise_signal(signum)
+        return result
+
+    def timeout(*_):
+        raise _Timeout
+
+    monkeypatch.setattr(policy, "_evict_least", signalling)
+    previous = signal.signal(signum, timeout)
+    try:
+        with pytest.raises(_Timeout):
+            greedy_logits(model, decode_tokens=8)
+        assert signal.getsignal(signum) is timeout  # swapped back after the step
+    finally:
+        signal.signal(signum, previous)
+    monkeypatch.undo()
+    assert _equals_stock(model, reference(path))
+
+
 @pytest.mark.parametrize("fault", ["Ctrl-C under another SIGINT handler", "OSError"])
 def test_a_read_cut_short_by_any_exception_leaves_no_stale_slot(tiny_model, reference, monkeypatch,
                                                                  fault):
