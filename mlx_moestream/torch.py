@@ -23,6 +23,7 @@ gets the used slots gathered in expert-id order (an order-preserving remap).
 from __future__ import annotations
 
 import inspect
+import json
 import mmap
 import queue
 import re
@@ -34,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import initialization as init
 
@@ -209,21 +210,72 @@ def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None
         raise ModelError(f"{path}: transformers cannot read its config.json: {e}") from None
     if experts_implementation:
         config._experts_implementation = experts_implementation
+    _refuse_quantized(path, config)
+    files = _stock_files(path, store)
     _refuse_conversions(path, config, store)
     experts = _experts_modules(path, config, store)
-    wanted = config.dtype  # what `from_pretrained` computes in, converting the weights to it
-    if isinstance(wanted, str):
-        wanted = getattr(torch, wanted, None)
+    wanted = _stock_dtype(path, config, files)
     if isinstance(wanted, torch.dtype) and wanted != experts[0].dtype:
-        raise ModelError(f"{path}: config.json's dtype is {str(wanted).split('.')[-1]} but the "
-                         f"experts are stored as {experts[0].dtype_name}: the torch backend "
-                         "computes in the stored dtype; convert the checkpoint or its config")
+        said = "config.json's dtype" if config.dtype else "the dtype transformers infers"
+        raise ModelError(f"{path}: {said} is {str(wanted).split('.')[-1]} but the experts are "
+                         f"stored as {experts[0].dtype_name}: the torch backend computes in the "
+                         "stored dtype; convert the checkpoint or set its config's dtype")
     with init.no_init_weights():  # no weight is written, so none takes memory yet
         lm = AutoModelForCausalLM.from_config(config, dtype=experts[0].dtype)
     lm.eval()
     modules = dict(lm.named_modules())
     plan = _plan(path, config, store, experts, modules, _load_dense(lm, store, experts), rows)
     return lm, store, experts, plan
+
+
+def _refuse_quantized(path: Path, config) -> None:
+    """transformers dequantizes a quantized checkpoint (fp8, mxfp4, ...) or runs its kernels at
+    load; copied and read as stored, its weights would be wrong without a word."""
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        quantization = getattr(part, "quantization_config", None)
+        if quantization:
+            method = (quantization.get("quant_method", "unnamed") if isinstance(quantization, dict)
+                      else getattr(quantization, "quant_method", "unnamed"))
+            raise ModelError(f"{path}: config.json has a quantization_config ({method}); the "
+                             "torch backend streams unquantized checkpoints only")
+
+
+def _stock_files(path: Path, store: ExpertStore) -> list[str]:
+    """The files `from_pretrained` reads, in its order: model.safetensors, else the shards its
+    index lists. The store reads every model*.safetensors, as mlx-lm does: a file that only it
+    would read (a shard an earlier download left) would give the model tensors stock's lacks."""
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    elif index.exists():  # the store has checked it
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        raise ModelError(f"{path}: no model.safetensors or model.safetensors.index.json, which "
+                         "transformers loads from")
+    extra = [f.name for f in store.files if f.suffix == ".safetensors" and f.name not in files]
+    if extra:
+        reads = "model.safetensors alone" if len(files) == 1 else "only the shards its index lists"
+        raise ModelError(f"{path / extra[0]}: not a file transformers loads (it reads {reads}); "
+                         "move it away")
+    return files
+
+
+def _stock_dtype(path: Path, config, files: list[str]) -> torch.dtype | None:
+    """What `from_pretrained` computes in by default (dtype "auto"): config.json's dtype, else
+    the shard index's, else the first floating tensor's of the first file it reads."""
+    from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
+
+    wanted = config.dtype
+    index = path / "model.safetensors.index.json"
+    if wanted is None and files != ["model.safetensors"]:
+        wanted = (json.loads(index.read_text()).get("metadata") or {}).get("dtype")
+    if wanted is None:
+        try:
+            wanted = get_state_dict_dtype(load_state_dict(str(path / files[0]),
+                                                          map_location="meta"))
+        except SafetensorError as e:
+            raise ModelError(f"{path / files[0]}: safetensors cannot read it: {e}") from None
+    return getattr(torch, wanted, None) if isinstance(wanted, str) else wanted
 
 
 def _dtype_plan(lm: torch.nn.Module, dtype: torch.dtype) -> Callable[[str], torch.dtype | None]:
@@ -357,6 +409,17 @@ def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
     return out
 
 
+@contextmanager
+def _opened(file: Path):
+    """`safe_open` of a shard, its errors naming the file (it refuses offsets that overlap or
+    leave gaps, which the store's index takes, as `mx.load` does)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ModelError(f"{file}: safetensors cannot read it: {e}") from None
+
+
 def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]) -> int:
     """Give the model every checkpoint tensor that is not an expert's; returns the dense bytes.
     Parameters become the tensors safetensors maps from the files, as `from_pretrained` does:
@@ -378,7 +441,7 @@ def _load_dense(lm: torch.nn.Module, store: ExpertStore, experts: list[_Experts]
         for file, keys in by_file.items():
             if store.files[file].suffix != ".safetensors":
                 continue  # a repacked copy of the experts
-            with safe_open(str(store.files[file]), framework="pt") as f:
+            with _opened(store.files[file]) as f:
                 for key in keys:
                     name = _module_name(key, renamings)
                     if name not in known:  # as transformers: a key the model has is not

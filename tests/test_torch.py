@@ -694,6 +694,82 @@ def test_a_config_dtype_other_than_the_stored_experts_is_refused(hf_model, tmp_p
         moestream_torch.load(path, budget="100%")
 
 
+def test_a_checkpoint_without_a_dtype_whose_dense_tensors_infer_another_is_refused(hf_model,
+                                                                                  tmp_path):
+    """No dtype in config.json: `from_pretrained` computes in the first floating tensor's
+    (float32 dense tensors here) and converts the bfloat16 experts; streamed in bfloat16 as
+    stored, logits and tokens differed with no error."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(hf_model("qwen3_moe", dtype="bfloat16"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(path / "model.safetensors")
+    save_file({k: w if ".experts." in k else w.float() for k, w in weights.items()},
+              path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="the dtype transformers infers is float32 but the "
+                                         "experts are stored as bfloat16"):
+        moestream_torch.load(path, budget="100%")
+
+
+def test_a_quantized_checkpoint_is_refused(hf_model, tmp_path):
+    """transformers dequantizes at load what a quantization_config describes (fp8 weights and
+    their scales); copied as stored, they computed wrongly with no error."""
+    import json
+
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"quantization_config \(fp8\)"):
+        moestream_torch.load(path, budget="100%")
+
+
+def test_a_shard_transformers_does_not_load_is_refused_by_name(hf_model, tmp_path):
+    """A shard an earlier download left beside model.safetensors: transformers reads
+    model.safetensors alone and ties lm_head to the embeddings; the store reads every
+    model*.safetensors, so the shard's lm_head gave other logits with no error."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(path / "model.safetensors")
+    save_file({"lm_head.weight": weights.pop("lm_head.weight")},
+              path / "model-00002-of-00002.safetensors")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="model-00002-of-00002.safetensors: not a file "
+                                         "transformers loads"):
+        moestream_torch.load(path, budget="100%")
+
+
+def test_a_shard_safetensors_refuses_is_a_one_line_error_naming_it(hf_model, tmp_path):
+    """Offsets that leave a gap, which the store's index (as `mx.load`) takes: safetensors'
+    own error, raised by the dense load, named no file and was a traceback in `chat`."""
+    import json
+    import struct
+
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")
+    data = (path / "model.safetensors").read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + size])
+    for key, info in header.items():  # 4 KiB left unused before the first tensor
+        if key != "__metadata__":
+            info["data_offsets"] = [offset + 4096 for offset in info["data_offsets"]]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text
+                                             + bytes(4096) + data[8 + size :])
+    with pytest.raises(ModelError, match="model.safetensors: safetensors cannot read it"):
+        moestream_torch.load(path, budget="100%")
+
+
 @pytest.mark.parametrize("lm_head", ["stored apart", "not stored"])
 def test_embeddings_are_tied_as_from_pretrained_ties_them(hf_model, tmp_path, lm_head):
     """A config saying tie_word_embeddings: `from_pretrained` ties lm_head to the embeddings
