@@ -149,10 +149,12 @@ class PooledExperts(nn.Module):
                 f"the slots its experts are read into); to compile or differentiate it, load it "
                 f"with a budget that holds every expert") from None
 
-    def check_unconverted(self) -> None:
+    def check_unconverted(self) -> bool:
+        """Refuse a converted model; whether the marker is new since the last check (changed
+        by `update`, or a gradient's input: see `ResidentExperts`)."""
         marker = self.expert_dtype
         if marker is self.checked:
-            return
+            return False
         if marker.dtype != self.stored_dtype:
             converted = _dtype_name(marker.dtype)
             raise ModelError(
@@ -160,13 +162,40 @@ class PooledExperts(nn.Module):
                 f"which its experts cannot follow: they are read into the runtime's slots as "
                 f"stored ({_dtype_name(self.stored_dtype)}); convert the checkpoint instead "
                 f"(mlx_lm.convert --dtype {converted}) and load that")
-        if marker.tolist() != self.stored_marker:
+        try:
+            values = marker.tolist()
+        except ValueError:  # an input of `mx.compile` (as mlx-lm's trainer compiles its step):
+            return True  # only its dtype is known now; the next call outside checks the values
+        if any(math.isnan(v) for v in values):
+            raise ModelError(
+                f"{self.path}: an optimizer step reached the experts (training the whole model), "
+                f"which are not the model's parameters and cannot be trained: they are read "
+                f"into the runtime's slots as stored; freeze them (model.freeze(), then "
+                f"unfreeze what you train, as LoRA does) or train a model loaded by mlx_lm.load")
+        if values != self.stored_marker:
             raise ModelError(
                 f"{self.path}: the model's weights were changed after load (model.apply, "
                 f"update, or set_dtype there and back), which cannot reach its experts: they "
                 f"are read into the runtime's slots as stored; change the checkpoint instead "
                 f"and load that")
         object.__setattr__(self, "checked", marker)
+        return True
+
+    def to_lora(self, **kwargs) -> nn.Module:
+        """`linear_to_lora_layers` without keys: stock would put LoRA on the experts."""
+        raise ModelError(f"{self.path}: LoRA cannot reach the experts (linear_to_lora_layers "
+                         "takes them when given no keys), which are read into the runtime's "
+                         "slots as stored; give keys that leave them out (attention, the "
+                         "router), or train a model loaded by mlx_lm.load")
+
+    @property
+    def weight(self) -> mx.array:
+        """What a predicate of `nn.quantize` or `mlx_lm.utils.quantize_model` reads of the
+        layers it converts: stock's experts have one."""
+        raise ModelError(f"{self.path}: the experts' weights are not the model's parameters "
+                         "(they are read into the runtime's slots as stored), so a conversion "
+                         "cannot reach them; convert the checkpoint instead (mlx_lm.convert) "
+                         "and load that")
 
     def to_quantized(self, **kwargs) -> nn.Module:
         """`nn.quantize` of the model: stock would quantize the experts unless they are."""
@@ -300,10 +329,27 @@ class ResidentExperts(PooledExperts):
         object.__setattr__(self, "deferred", deferred)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        self.check_unconverted()
+        changed = self.check_unconverted()
         self.deferred.add(self.layer, indices)
         valid = mx.minimum(indices.astype(mx.uint32), self.slot_map.size - 1)
-        return self.inner(x, self.slot_map[valid])
+        y = self.inner(x, self.slot_map[valid])
+        return _untrained(y, self.expert_dtype) if changed else y
+
+
+@mx.custom_function
+def _untrained(y: mx.array, marker: mx.array) -> mx.array:
+    """`y` as it is, giving the experts' marker a NaN gradient. Training the whole model would
+    leave the experts, which are not its parameters, as they are (stock trains them): the step
+    that applies the gradient turns the marker NaN, and the next call refuses. A marker that is
+    frozen (LoRA) or not differentiated takes no gradient. Applied where the marker is new, as a
+    gradient's inputs are, so that inference pays nothing."""
+    return y
+
+
+@_untrained.vjp
+def _untrained_vjp(primals, cotangent, output):
+    marker = primals[1]
+    return cotangent, mx.full(marker.shape, mx.nan, marker.dtype)
 
 
 class DeferredRouting:

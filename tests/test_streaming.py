@@ -167,6 +167,52 @@ def test_quantizing_a_model_whose_experts_are_quantized_computes_as_stock(tiny_m
     assert all(mx.array_equal(a, b) for a, b in zip(greedy_logits(model), greedy_logits(stock)))
 
 
+def test_a_quantize_predicate_reading_the_experts_weight_is_refused(tiny_model):
+    """`mlx_lm.utils.quantize_model`'s predicate reads each layer's `weight`: it failed with
+    an AttributeError that named nothing."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%")
+    with pytest.raises(ModelError, match="switch_mlp: the experts' weights are not the "
+                                         "model's parameters"):
+        nn.quantize(model, group_size=32, bits=4,
+                    class_predicate=lambda _, m: (hasattr(m, "to_quantized")
+                                                  and m.weight.shape[-1] % 32 == 0))
+
+
+def test_lora_layers_given_no_keys_are_refused(tiny_model):
+    """Without keys `linear_to_lora_layers` puts LoRA on stock's experts too; on a streamed
+    model it left them out, and training gave other weights than stock's with no error."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="100%")
+    with pytest.raises(ModelError, match="switch_mlp: LoRA cannot reach the experts"):
+        linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+
+
+def test_an_optimizer_step_over_every_parameter_is_refused_at_the_next_call(tiny_model):
+    """Every expert resident, a gradient works (the experts are not in a transformation's
+    way), but the experts are not parameters: a full fine-tune left them as stored, and its
+    logits differed from stock's trained the same way with no error."""
+    import mlx.optimizers as optim
+
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="100%")
+    loss, grads = nn.value_and_grad(model, lambda m: m(PROMPT).mean())(model)
+    optim.Adam(1e-3).update(model, grads)
+    with pytest.raises(ModelError, match="switch_mlp: an optimizer step reached the experts"):
+        greedy_logits(model)
+
+
+def test_compiling_with_the_model_state_as_inputs_works_with_every_expert_resident(
+        tiny_model):
+    """`mx.compile(..., inputs=model.state)`, as mlx-lm's trainer compiles its step: the check
+    of the experts' marker read a traced array and failed with MLX's own error."""
+    path = tiny_model("qwen3_moe")
+    model, _ = mlx_moestream.load(path, budget="100%")
+    stock, _ = mlx_lm.load(str(path))
+    ours = mx.compile(lambda x: model(x), inputs=model.state)
+    theirs = mx.compile(lambda x: stock(x), inputs=stock.state)
+    assert mx.array_equal(ours(PROMPT), theirs(PROMPT)).item()
+
+
 def test_stats_report_totals_and_layers(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%", window_tokens=16)
     greedy_logits(model)
