@@ -10,9 +10,10 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
-# Files a model needs; the hub may hold much more (other formats, originals).
+# Files a model needs, as mlx-lm downloads them (Kimi's tokenizer is tiktoken.model alone);
+# the hub may hold much more (other formats, originals).
 HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
-                "*.txt", "*.jinja"]
+                "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
 
 
 # A small trained bilingual (Italian/English) + Python MoE shipped with the package.

@@ -30,3 +30,13 @@ def test_unknown_repo_id_offline_is_a_clear_error(tmp_path):
                          timeout=120)
     assert out.returncode != 0
     assert "'nobody/nothing' is not a local directory" in out.stderr
+
+
+def test_a_repo_id_downloads_every_file_mlx_lm_downloads():
+    """A tokenizer shipped as tiktoken.model alone (Kimi) or a *.jsonl file mlx-lm reads was
+    left out of the download, and the model loaded without it."""
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    from mlx_moestream.hub import HUB_PATTERNS
+
+    assert set(DEFAULT_ALLOW_PATTERNS) <= set(HUB_PATTERNS)
