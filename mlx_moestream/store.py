@@ -631,19 +631,28 @@ class ExpertStore:
             for offset, _, _, buf in run.pieces:
                 os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
 
-    def fingerprint(self, samples: int = 16, sample_bytes: int = 4096) -> bytes:
-        """A digest of the checkpoint's files: names, sizes and `samples` blocks spread over
-        each. Two hosts with another fine-tune, quantization or seed under the same path
-        differ in it (almost surely in every block), at the cost of a few small reads."""
+    def fingerprint(self, samples: int = 16, sample_bytes: int = 4096,
+                    small_bytes: int = 4 << 20) -> bytes:
+        """A digest of the checkpoint's files: names, sizes, `samples` blocks spread over
+        each, and every tensor of at most `small_bytes` whole. Two hosts with another
+        fine-tune, quantization or seed under the same path differ in the blocks (almost
+        surely in every one); a checkpoint that fixed a router or a norm differs in that small
+        tensor alone (a few MiB per layer at most to read)."""
         self.open()
         digest = hashlib.sha256()
         originals = self.files[: len(self.files) - bool(self.repacked)]  # not experts.bin
-        for path, fd in zip(originals, self._fds):
+        small: dict[int, list[tuple[int, int]]] = {}
+        for t in self.tensors.values():
+            if t.nbytes <= small_bytes:
+                small.setdefault(t.file, []).append((t.offset, t.nbytes))
+        for file, (path, fd) in enumerate(zip(originals, self._fds)):
             size = os.fstat(fd).st_size
             digest.update(f"{path.name}:{size}".encode())
             for i in range(samples):
                 digest.update(os.pread(fd, sample_bytes, i * max(size - sample_bytes, 0)
                                        // max(samples - 1, 1)))
+            for offset, nbytes in sorted(small.get(file, ())):
+                digest.update(os.pread(fd, nbytes, offset))
         return digest.digest()
 
     def drop_cached(self) -> None:

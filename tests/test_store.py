@@ -187,3 +187,17 @@ def test_refused_loads_and_dropped_models_leave_no_file_open(tiny_model):
         del model
     gc.collect()
     assert _open_files() == before
+
+
+def test_a_checkpoint_differing_in_one_small_tensor_has_another_fingerprint(tiny_model,
+                                                                           model_copy):
+    """Hosts join only with equal fingerprints; one whose checkpoint fixed a norm (or a router)
+    differs in bytes that the sampled blocks missed, and its outputs differed silently."""
+    path = model_copy("qwen3_moe")
+    store = ExpertStore(path, drop_page_cache=False)
+    norm = store.tensors["model.norm.weight"]
+    with open(store.files[norm.file], "r+b") as f:
+        f.seek(norm.offset)
+        f.write(np.full(norm.nbytes // 4, 2.0, np.float32).tobytes())
+    changed = ExpertStore(path, drop_page_cache=False).fingerprint()
+    assert changed != ExpertStore(tiny_model("qwen3_moe"), drop_page_cache=False).fingerprint()
