@@ -134,7 +134,7 @@ def load(
                 runtime.host = (group.rank(), group.size())
             attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
             mx.eval(lazy_model.parameters())  # the dense weights; experts left the tree
-            store.drop_cached()
+            store.loaded()
             if profile is not None:
                 runtime.prewarm(profile, prewarm_share, pin_share, progress)
             digest = _checkpoint_digest(path, store) if group is not None else None

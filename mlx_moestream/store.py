@@ -655,10 +655,17 @@ class ExpertStore:
                 digest.update(os.pread(fd, nbytes, offset))
         return digest.digest()
 
-    def drop_cached(self) -> None:
-        """Once a load has read what it needs (experts and dense weights), drop the files'
-        pages from the OS cache (Linux): reads in runs leave their gaps cached for the dense
-        weights, and readahead of concurrent reads caches past their edges."""
+    def loaded(self) -> None:
+        """Once a load has read what it needs (experts and dense weights): the files must
+        still be those indexed, or the dense weights came from other bytes than the experts
+        will (a shard replaced or rewritten meanwhile: a download or a sync finishing). Then
+        their pages are dropped from the OS cache (Linux): reads in runs leave their gaps
+        cached for the dense weights, and readahead of concurrent reads caches past their
+        edges."""
+        for path, identity in zip(self.files, self.identity):
+            if _identity(_stat(path)) != identity:
+                raise StoreError(f"{path}: changed on disk while the model loaded (size, "
+                                 f"modification or status change time): load it again")
         if self.drop_page_cache and self._fds is not None and hasattr(os, "posix_fadvise"):
             for fd in self._fds:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -116,7 +116,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         runtime.enable_prefetch()
     if runtime.holds_all:
         runtime.read_all(progress)
-    runtime.store.drop_cached()
+    runtime.store.loaded()
     if profile is not None:
         runtime.prewarm(profile, prewarm_share, pin_share, progress)
     try:

@@ -201,3 +201,25 @@ def test_a_checkpoint_differing_in_one_small_tensor_has_another_fingerprint(tiny
         f.write(np.full(norm.nbytes // 4, 2.0, np.float32).tobytes())
     changed = ExpertStore(path, drop_page_cache=False).fingerprint()
     assert changed != ExpertStore(tiny_model("qwen3_moe"), drop_page_cache=False).fingerprint()
+
+
+def test_a_shard_replaced_while_the_model_loads_fails_the_load(model_copy, monkeypatch):
+    """A shard replaced (a download or a sync finishing) after the store indexed it and before
+    the dense weights were read: the model got the new file's dense weights and the old
+    experts' layout, with no error."""
+    import shutil
+
+    from mlx_moestream import loader
+
+    path = model_copy("qwen3_moe", shards=2)
+    attach = loader.attach
+
+    def replacing(*args, **kwargs):
+        attach(*args, **kwargs)
+        for shard in sorted(path.glob("model*.safetensors")):
+            shutil.copy(shard, path / "new")
+            os.replace(path / "new", shard)
+
+    monkeypatch.setattr(loader, "attach", replacing)
+    with pytest.raises(StoreError, match="changed on disk while the model loaded"):
+        mlx_moestream.load(path, budget="50%")
