@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import click
+from jinja2 import TemplateError
 
 from .budget import BudgetError, format_bytes, resolve_budget
 from .policies import DEFAULT_POLICY, POLICIES
@@ -144,6 +145,9 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         targets = [save_target(name) for name in to_save]
         if trace_path:
             check_save_target(trace_path)
+        written = [os.path.realpath(t) for t in [*targets, *([trace_path] if trace_path else [])]]
+        if len(set(written)) < len(written):  # the second write would refuse, or replace, the first
+            raise click.UsageError("--trace and each --profile save need a file of their own")
         profile = to_load[0] if to_load else None
         if backend == "torch":
             lm, tokenizer = _torch_backend().load(model, budget, device=device, policy=policy,
@@ -228,7 +232,10 @@ def _prompt_tokens(tokenizer, history: list[dict], templated: bool, **options) -
     """The conversation as prompt tokens, through the tokenizer's chat template. A base
     model's tokenizer has none: its turns' text as it is then, as `mlx_lm generate` does."""
     if templated:
-        return tokenizer.apply_chat_template(history, add_generation_prompt=True, **options)
+        try:
+            return tokenizer.apply_chat_template(history, add_generation_prompt=True, **options)
+        except TemplateError as e:  # a template's own `raise_exception`, or one that is broken
+            raise ValueError(f"the model's chat template failed: {e}") from None
     return tokenizer.encode("\n".join(turn["content"] for turn in history))
 
 

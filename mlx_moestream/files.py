@@ -48,8 +48,9 @@ def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], 
     OSError or ValueError on any other, and then `error` says so. Never a file this tool did
     not write. A missing or read-only folder, and a name too long for its folder (or its
     temporary file's), are refused here too: the write would fail after the work (`lexists`
-    only says False for such a name)."""
-    path = Path(path)
+    only says False for such a name). A symbolic link is checked where `atomic_write` writes:
+    beside the file it points to."""
+    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
         raise error(f"cannot write {path}: {path.parent} is not a writable folder")
     longest = len(os.fsencode(_temporary(path, 9_999_999, "0" * 8).name))  # pids have 7 digits

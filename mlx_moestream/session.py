@@ -38,8 +38,12 @@ def profile(model: Any, workload: str) -> Profile:
 
 def save_profile(model: Any, name: str | Path, workload: str | None = None) -> Path:
     """Save this session's activation profile as NAME (in ./profiles or the user directory) or
-    a path (see `profiles.save_target`)."""
-    return profile(model, workload or Path(name).stem).save(profile_target(name))
+    a path (see `profiles.save_target`). A session that routed no token has none: saved, it
+    would replace an earlier profile of that name with an empty one."""
+    recorded = profile(model, workload or Path(name).stem)
+    if not recorded.tokens:
+        raise ValueError("no token was routed in this session: there is no profile to save")
+    return recorded.save(profile_target(name))
 
 
 def start_trace(model: Any) -> None:

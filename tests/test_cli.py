@@ -2,11 +2,15 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlx_moestream.budget import format_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CLI = [sys.executable, "-m", "mlx_moestream.cli"]
 
@@ -67,6 +71,34 @@ def test_corrupt_model_is_a_clear_error_without_traceback(model_copy):
     assert out.returncode != 0
     assert "truncated safetensors file" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_chat_template_that_raises_is_a_one_line_error(model_copy):
+    """Templates refuse conversations with `raise_exception` (roles that do not alternate):
+    jinja's TemplateError, which is no ValueError, was a traceback that ended the chat."""
+    path = model_copy()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('roles must alternate') }}"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    out = run("chat", "--model", path, "--prompt", "Hello", "--max-tokens", 4)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "the model's chat template failed: roles must alternate" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "repack"])
+def test_a_tensor_mlx_cannot_load_is_a_one_line_error_naming_the_model(model_copy, command):
+    """MLX raises a RuntimeError for a dtype it cannot load (F64): a traceback in inspect and
+    repack, which caught ValueError and OSError only."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    path = model_copy()
+    weights = load_file(path / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"].astype(np.float64)
+    save_file(weights, path / "model.safetensors")
+    out = run(command, "--model", path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"{path}: mlx-lm cannot load this model" in out.stderr and "F64" in out.stderr
 
 
 def test_inspect_of_a_model_whose_config_cannot_be_read_is_a_one_line_error(model_copy):
@@ -215,22 +247,27 @@ def test_a_prompt_answer_cut_short_by_ctrl_c_exits_130(tiny_model):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("notes.png", "refusing to replace {path}: it is not a PNG image"),
+    ("notes.png", "refusing to replace {path}: it is not a plot mlx-moestream wrote"),
+    ("photo.png", "refusing to replace {path}: it is not a plot mlx-moestream wrote"),
     ("sweep.txt", "{path}: plots are written as PNG: give a .png path"),
     ("missing/sweep.png", "cannot write {path}: no folder"),
 ])
 def test_replay_plot_refuses_a_target_it_must_not_write_before_the_sweep(tmp_path, name, message):
+    """A photo.png of the user's is a PNG, which the plot replaced."""
     from mlx_moestream.trace import synthetic_trace
 
     synthetic_trace(64, 2, 8, 2, seed=0).save(tmp_path / "t.npz")
-    notes = tmp_path / "notes.png"
+    notes, photo = tmp_path / "notes.png", tmp_path / "photo.png"
     notes.write_text("my notes")
+    shutil.copy(ROOT / "docs" / "embedded-routing.png", photo)
+    before = photo.read_bytes()
     path = tmp_path / name
     out = run("replay", tmp_path / "t.npz", "--sweep", "--plot", path)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert message.format(path=path) in out.stderr
     assert "policy" not in out.stdout  # refused before the sweep
     assert notes.read_text() == "my notes" and not (tmp_path / "sweep.txt").exists()
+    assert photo.read_bytes() == before
 
 
 def test_package_imports_from_a_checkout_with_no_installed_metadata():

@@ -483,6 +483,42 @@ def test_profile_save_never_replaces_a_file_that_is_not_a_profile(tiny_model, tm
     assert notes.read_text() == '{"mine": true}' and notes.stat().st_mode & 0o777 == 0o600
 
 
+def test_a_session_that_routed_nothing_leaves_an_earlier_profile_as_it_was(tiny_model,
+                                                                             tmp_path):
+    """Ctrl-D at once (stdin empty): the saved profile replaced the earlier one with an empty
+    one, and the chat exited 0."""
+    model = tiny_model("qwen3_moe")
+    assert _cli("chat", "-m", model, "--prompt", PROMPT, "-n", 4, "--profile", "save",
+                "p.json", cwd=tmp_path).returncode == 0
+    before = (tmp_path / "p.json").read_text()
+    out = subprocess.run([*CLI, "chat", "-m", str(model), "--profile", "save", "p.json"],
+                         capture_output=True, text=True, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                         timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "profile p.json not saved: no token was routed in this session" in out.stderr
+    assert (tmp_path / "p.json").read_text() == before
+
+
+def test_a_trace_and_a_profile_given_one_file_are_refused_before_the_session(tiny_model,
+                                                                           tmp_path):
+    """The profile was written, then the trace refused to replace it: the trace was lost."""
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 4,
+               "--trace", "same.json", "--profile", "save", "same.json", cwd=tmp_path)
+    assert out.returncode == 2 and "need a file of their own" in out.stderr
+    assert "hit rate" not in out.stdout and not (tmp_path / "same.json").exists()
+
+
+def test_a_profile_saved_through_a_link_is_checked_where_the_link_points(tiny_model, tmp_path):
+    """The link's folder was checked, the write went beside its target (a folder gone, or
+    read-only): the session ran, and only then was the profile found unwritable."""
+    (tmp_path / "link.json").symlink_to(tmp_path / "gone" / "mine.json")
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 4,
+               "--profile", "save", "link.json", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"{tmp_path / 'gone'} is not a writable folder" in out.stderr
+    assert "hit rate" not in out.stdout  # refused before any answer
+
+
 def test_chat_trace_never_replaces_a_file_that_is_not_a_trace(tiny_model, tmp_path):
     notes = tmp_path / "notes.md"
     notes.write_text("my notes, not a trace")
