@@ -156,29 +156,42 @@ def fits(trace: Trace, capacity: int | float, per_layer: bool | Sequence[float] 
 
 
 PNG = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file
+PNG_MARK = b"Software\0mlx-moestream"  # the text chunk of the plots this tool writes
 
 
 def check_plot_target(path: str | Path) -> None:
-    """A plot is a .png in an existing folder; an existing file is replaced only if it is a
-    PNG (never a file this tool cannot have written)."""
+    """A plot is a .png in an existing folder; an existing file is replaced only if this tool
+    wrote it (`save_png` marks its PNGs; any other image is not this tool's to replace)."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"{path}: plots are written as PNG: give a .png path")
     if not path.parent.is_dir():
         raise ValueError(f"cannot write {path}: no folder {path.parent}")
-    check_replaceable(path, _read_png_signature, "a PNG image")
+    check_replaceable(path, _read_png_mark, "a plot mlx-moestream wrote")
 
 
-def _read_png_signature(path: Path) -> None:
+def _read_png_mark(path: Path) -> None:
+    """Raise unless the PNG's text chunks (before its image data) carry `PNG_MARK`."""
     with open(path, "rb") as f:
         if f.read(len(PNG)) != PNG:
             raise ValueError("not a PNG")
+        while header := f.read(8):
+            if len(header) < 8:
+                break
+            length, kind = int.from_bytes(header[:4], "big"), header[4:]
+            if kind == b"IDAT" or length > 1 << 20:
+                break
+            data = f.read(length + 4)[:length]  # and its CRC
+            if kind == b"tEXt" and data == PNG_MARK:
+                return
+    raise ValueError("a PNG this tool did not write")
 
 
 def save_png(fig, path: str | Path) -> None:
-    """Write a matplotlib figure atomically (see `check_plot_target`)."""
+    """Write a matplotlib figure atomically, marked as this tool's (see `check_plot_target`)."""
     check_plot_target(path)
-    atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    key, value = PNG_MARK.decode().split("\0")
+    atomic_write(path, lambda f: fig.savefig(f, format="png", metadata={key: value}))
 
 
 def plot_sweep(results: list[dict], path: str | Path) -> bool:
