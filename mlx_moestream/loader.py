@@ -50,8 +50,10 @@ def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = 
     store = ExpertStore(path, drop_page_cache, repacked)
     try:
         model, tokenizer, config = mlx_lm_load(str(path), lazy=True, return_config=True)
-    except (ValueError, KeyError, TypeError, AttributeError, FileNotFoundError) as e:
-        # TypeError / AttributeError: a config.json lacking fields or not an object
+    except (ValueError, KeyError, TypeError, AttributeError, FileNotFoundError,
+            RuntimeError) as e:
+        # TypeError / AttributeError: a config.json lacking fields or not an object;
+        # RuntimeError: MLX's, of a tensor in a dtype it cannot load (F64, F8_E5M2)
         raise _cannot_load(path, e) from None
     try:
         plan = plan_model(model, config)
