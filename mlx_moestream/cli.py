@@ -61,7 +61,22 @@ model_option = click.option(
     help="Model directory or Hugging Face repo id (default: the embedded bilingual model).")
 
 
-@click.group()
+class _Commands(click.Group):
+    """The commands, an error writing their output one line too: click ends quietly on a
+    closed pipe (EPIPE) and lets any other OSError out as a traceback (a full disk under
+    `> file`, /dev/full). The commands' own OSErrors are theirs to say (`_fail`)."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as e:  # a file's error names it; the output's names none
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # none at exit
+            where = f"{e.filename}" if e.filename else "cannot write the output"
+            _tell(f"Error: {where}: {e.strerror or e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="mlx-moestream", prog_name="mlx-moestream")
 def main() -> None:
     """Run Mixture-of-Experts models whose experts exceed memory."""

@@ -270,6 +270,18 @@ def test_replay_plot_refuses_a_target_it_must_not_write_before_the_sweep(tmp_pat
     assert photo.read_bytes() == before
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (Linux only)")
+@pytest.mark.parametrize("args", [["inspect"], ["--version"]])
+def test_output_that_cannot_be_written_is_a_one_line_error(args):
+    """A full disk under `> file`: click ends quietly on a closed pipe only, and let this out
+    as a traceback."""
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([*CLI, *args], stdout=full, stderr=subprocess.PIPE, text=True,
+                             timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr == "Error: cannot write the output: No space left on device\n"
+
+
 def test_package_imports_from_a_checkout_with_no_installed_metadata():
     """The scripts put the checkout on `sys.path`; the package may not be installed."""
     code = ("import importlib.metadata as metadata\n"
