@@ -98,6 +98,11 @@ class Profile:
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProfileError(f"{path}: malformed profile ({type(e).__name__}: {e})") from None
         problem = _problem(counts, decayed, tokens, half_life)
+        texts = {"workload": workload, "created": created, **{f"model.{k}": v for k, v in
+                                                              model.items() if isinstance(v, str)}}
+        unprintable = [k for k, v in texts.items() if not v.isprintable()]
+        if unprintable:  # shown on the terminal: escape sequences would act there
+            problem = f"its {unprintable[0]} holds control characters"
         if problem:
             raise ProfileError(f"{path}: malformed profile ({problem})")
         profile = cls(workload, model, counts.astype(np.int64), decayed, tokens, half_life, names,

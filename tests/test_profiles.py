@@ -165,6 +165,11 @@ def _profile_json(counts, decayed, model=None, half_life_tokens=256) -> str:
     # merged with a profile of its model, such counts were broadcast over every expert
     (_profile_json([1], [1], {"fingerprint": "f", "moe_layers": 1, "experts": 2}),
      "counts for 1 layers x 1 experts, but its own model record has 1 x 2"),
+    # shown by `profile show` and `list` as they were: an escape sequence cleared the screen
+    (_profile_json([1], [1]).replace('"workload": "w"', '"workload": "w\\u001b[2J"'),
+     "its workload holds control characters"),
+    (_profile_json([1], [1], {"fingerprint": "f", "model_type": "q\nfake line"}),
+     "its model.model_type holds control characters"),
 ])
 def test_malformed_profile_is_a_clear_error(tmp_path, content, problem):
     (tmp_path / "bad.json").write_text(content)
