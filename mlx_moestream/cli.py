@@ -151,6 +151,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         raise click.UsageError("--backend torch needs --model: the embedded model is an MLX model")
     if backend == "torch" and distributed:
         raise click.UsageError("--distributed needs --backend mlx")
+    if backend == "mlx" and device != "cpu":  # else silently on MLX's own device
+        raise click.UsageError("--device is the torch backend's (MLX runs on its default device)")
     if distributed and (profiles or trace_path or per_layer or prefetch):
         raise click.UsageError("--distributed takes no --profile, --trace, --per-layer or "
                                "--prefetch yet")

@@ -27,6 +27,8 @@ class ModelError(ValueError):
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
     """A local model directory, a Hugging Face repo id resolved through the local cache/hub, or
     None / "embedded" for the model shipped with the package."""
+    if isinstance(model, str) and not model.strip():  # Path("") is the current folder
+        raise ModelError("no model given: the name is empty")
     if model is None or model == "embedded":
         if not (EMBEDDED_MODEL / "config.json").exists():
             raise ModelError(f"the embedded model is missing from {EMBEDDED_MODEL}")

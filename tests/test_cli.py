@@ -282,6 +282,16 @@ def test_output_that_cannot_be_written_is_a_one_line_error(args):
     assert out.stderr == "Error: cannot write the output: No space left on device\n"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--model", ""], "no model given: the name is empty"),  # it loaded the current folder
+    (["--device", "cuda"], "--device is the torch backend's"),  # MLX ignored it
+])
+def test_chat_options_that_would_be_ignored_or_misread_are_refused(args, message):
+    out = run("chat", "--prompt", "hi", *args)
+    assert out.returncode in (1, 2) and "Traceback" not in out.stderr
+    assert message in out.stderr and "hit rate" not in out.stdout
+
+
 def test_package_imports_from_a_checkout_with_no_installed_metadata():
     """The scripts put the checkout on `sys.path`; the package may not be installed."""
     code = ("import importlib.metadata as metadata\n"
