@@ -31,6 +31,13 @@ PREFETCH_WARMUP = 16
 PREFETCH_PROBE = 8  # while it does not pay, a layer is predicted on one token in this many
 
 
+def only_the_wait_failed(read: Future) -> bool:
+    """Whether an error from `read.result()` cut the wait short (Ctrl-C) and not the read:
+    it still runs, or it ended well just after. It is left for the next call to finish and
+    count; forgotten, its bytes went uncounted and the expert was read again."""
+    return not read.done() or not (read.cancelled() or read.exception() is not None)
+
+
 class Prefetch:
     """Predictions of each layer's next call, the reads they started, and whether they pay."""
 
@@ -92,7 +99,7 @@ class Prefetch:
                 try:
                     result = read.result()
                 except BaseException as e:
-                    if not read.done():
+                    if only_the_wait_failed(read):
                         raise
                     runtime.forget(owner, expert)  # then off the list: forgetting twice is safe
                     reads.pop(0)

@@ -28,7 +28,7 @@ from .hub import ModelError
 from .interrupts import CRITICAL, install_handler
 from .plan import ExpertLayer, ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
-from .prefetch import Prefetch
+from .prefetch import Prefetch, only_the_wait_failed
 from .profiles import Profile
 from .stats import Stats, ratio
 from .store import ExpertStore, Run, StoreError
@@ -436,7 +436,7 @@ class Runtime:
                 try:
                     result = read.result() if isinstance(read, Future) else read()
                 except BaseException as e:
-                    if isinstance(read, Future) and not read.done():
+                    if isinstance(read, Future) and only_the_wait_failed(read):
                         raise
                     self.forget(layer, expert)  # then off the list: forgetting twice is safe
                     reads.pop(0)
