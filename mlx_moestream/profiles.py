@@ -79,6 +79,8 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         path = Path(path)
+        if path.exists() and not path.is_file():  # a FIFO's read waits for a writer, forever
+            raise ProfileError(f"{path}: not a readable profile (not a regular file)")
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

@@ -177,6 +177,15 @@ def test_malformed_profile_is_a_clear_error(tmp_path, content, problem):
         Profile.load(tmp_path / "bad.json")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+def test_a_profile_path_that_is_a_named_pipe_is_refused_at_once(tmp_path):
+    """Reading a FIFO (or /dev/zero) as a profile waited for a writer forever: `profile list`
+    hung on one in ./profiles."""
+    os.mkfifo(tmp_path / "p.json")
+    with pytest.raises(ProfileError, match="not a regular file"):
+        Profile.load(tmp_path / "p.json")
+
+
 def test_unknown_profile_name_lists_where_it_looked(tiny_model, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ProfileError, match="no profile named 'nowhere' .*looked in"):
