@@ -97,7 +97,8 @@ class Trace:
         """Write the trace atomically (see `files.atomic_write`); see `check_save_target`."""
         path = Path(path)
         check_save_target(path)
-        arrays = {"experts": self.experts, "num_experts": np.int64(self.num_experts)}
+        arrays = {"experts": self.experts, "num_experts": np.int64(self.num_experts),
+                  "writer": np.array(WRITER)}
         if self.weights is not None:
             arrays["weights"] = self.weights
         if self.segment_id is not None:
@@ -235,9 +236,20 @@ def synthetic_trace(
     return Trace(experts.astype(np.int16), num_experts, weights, segment_id)
 
 
+WRITER = "mlx-moestream"  # the `writer` array of the traces this tool saves
+
+
 def check_save_target(path: str | os.PathLike) -> None:
-    """An existing file is replaced only if it is a trace (see `check_replaceable`)."""
-    check_replaceable(path, Trace.load, "a routing trace", TraceError)
+    """An existing file is replaced only if it is a trace this tool wrote (see
+    `check_replaceable`): another tool's trace is not ours to replace."""
+    check_replaceable(path, _written_here, "a routing trace mlx-moestream wrote", TraceError)
+
+
+def _written_here(path: Path) -> None:
+    Trace.load(path)  # checked as every trace is (sizes first) before an array is read
+    with np.load(path, allow_pickle=False) as data:
+        if "writer" not in data.files or data["writer"].shape or str(data["writer"]) != WRITER:
+            raise TraceError(f"{path}: a trace another tool wrote")
 
 
 def _check_sizes(path, data: np.lib.npyio.NpzFile) -> set[str]:

@@ -393,8 +393,21 @@ def test_saving_a_trace_over_a_file_that_is_not_a_trace_is_refused(tmp_path):
     assert Trace.load(tmp_path / "t.npz").tokens == 16
 
 
+def test_saving_a_trace_over_another_tools_trace_is_refused(tmp_path):
+    """Another tool's trace loads as a trace (its extra arrays ignored), and was replaced."""
+    trace = synthetic_trace(16, 2, 8, 2, seed=0)
+    theirs = tmp_path / "theirs.npz"
+    np.savez(theirs, experts=trace.experts, num_experts=np.int64(8), model=np.array("gpt-oss"))
+    before = theirs.read_bytes()
+    with pytest.raises(TraceError, match="theirs.npz: it is not a routing trace mlx-moestream "
+                                         "wrote"):
+        trace.save(theirs)
+    assert theirs.read_bytes() == before
+
+
 @pytest.mark.parametrize("target, problem", [
-    ("notes.txt", "refusing to replace notes.txt: it is not a routing trace"),
+    ("notes.txt", "refusing to replace notes.txt: it is not a routing trace mlx-moestream "
+                  "wrote"),
     ("missing/t.npz", "cannot write missing/t.npz: missing is not a writable folder"),
 ])
 def test_make_trace_refuses_a_target_it_cannot_write_in_one_line(tmp_path, target, problem):
