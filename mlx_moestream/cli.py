@@ -71,7 +71,7 @@ class _Commands(click.Group):
             return super().main(*args, **kwargs)
         except OSError as e:  # a file's error names it; the output's names none
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # none at exit
-            where = f"{e.filename}" if e.filename else "cannot write the output"
+            where = e.filename or "cannot write the output"
             _tell(f"Error: {where}: {e.strerror or e}", err=True)
             sys.exit(1)
 

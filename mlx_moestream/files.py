@@ -14,13 +14,14 @@ from typing import BinaryIO, Callable
 
 # this host, in temporary files' names: a short digest (a host name may hold any character)
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+WRITER = "mlx-moestream"  # the mark of the files this tool writes where a format holds one
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Call `write` on a temporary file beside `path`, sync it, then rename it over `path`
     (over the file a symbolic link `path` points to: the link stays). Temporary files that a
     killed writer (kill -9) left for it are removed first."""
-    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    path = _written_path(path)
     _remove_orphans(path)
     tmp = _temporary(path, os.getpid(), secrets.token_hex(4))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
@@ -38,6 +39,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         raise
 
 
+def _written_path(path: str | os.PathLike) -> Path:
+    """Where a write to `path` lands: the file a symbolic link points to (the link stays)."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+
+
 def _temporary(path: Path, pid: int, token: str) -> Path:
     return path.with_name(f".{path.name}.{pid}-{_HOST}.{token}.tmp")
 
@@ -50,7 +56,7 @@ def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], 
     temporary file's), are refused here too: the write would fail after the work (`lexists`
     only says False for such a name). A symbolic link is checked where `atomic_write` writes:
     beside the file it points to."""
-    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    path = _written_path(path)
     if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
         raise error(f"cannot write {path}: {path.parent} is not a writable folder")
     longest = len(os.fsencode(_temporary(path, 9_999_999, "0" * 8).name))  # pids have 7 digits

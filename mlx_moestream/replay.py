@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .cache import ExpertCache, split_slots
-from .files import atomic_write, check_replaceable
+from .files import WRITER, atomic_write, check_replaceable
 from .policies import Belady, Future, Policy
 from .profiles import Profile
 from .stats import Stats
@@ -156,7 +156,7 @@ def fits(trace: Trace, capacity: int | float, per_layer: bool | Sequence[float] 
 
 
 PNG = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file
-PNG_MARK = b"Software\0mlx-moestream"  # the text chunk of the plots this tool writes
+PNG_MARK = f"Software\0{WRITER}".encode()  # the text chunk of the plots this tool writes
 
 
 def check_plot_target(path: str | Path) -> None:
@@ -190,8 +190,7 @@ def _read_png_mark(path: Path) -> None:
 def save_png(fig, path: str | Path) -> None:
     """Write a matplotlib figure atomically, marked as this tool's (see `check_plot_target`)."""
     check_plot_target(path)
-    key, value = PNG_MARK.decode().split("\0")
-    atomic_write(path, lambda f: fig.savefig(f, format="png", metadata={key: value}))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", metadata={"Software": WRITER}))
 
 
 def plot_sweep(results: list[dict], path: str | Path) -> bool:

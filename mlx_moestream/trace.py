@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write, check_replaceable
+from .files import WRITER, atomic_write, check_replaceable
 
 _REQUIRED = ("experts", "num_experts")
 # A trace is routing ids: 1M tokens x 64 layers x top-8 as int16 is 1 GiB. Past this many bytes
@@ -234,9 +234,6 @@ def synthetic_trace(
     chosen = np.take_along_axis(popularity, experts, axis=2)
     weights = (chosen / chosen.sum(axis=2, keepdims=True)).astype(np.float16)
     return Trace(experts.astype(np.int16), num_experts, weights, segment_id)
-
-
-WRITER = "mlx-moestream"  # the `writer` array of the traces this tool saves
 
 
 def check_save_target(path: str | os.PathLike) -> None:
