@@ -2,8 +2,10 @@
 give logits identical to one process of stock mlx-lm, each reading only its own experts."""
 
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -112,15 +114,34 @@ def test_hosts_with_different_checkpoints_refuse_to_run(tiny_model, tmp_path, ch
     assert all("host 1 has another checkpoint than host 0" in line for line in lines), lines
 
 
-def test_a_read_error_on_one_host_ends_every_host_in_one_line(tiny_model):
+def ring_hosts(tmp_path, *args, timeout=120) -> list[subprocess.CompletedProcess]:
+    """Two hosts over the ring backend as `mlx.launch` starts them, but each run to its own end:
+    mlx.launch ends every host as soon as one exits with an error, which may be before another
+    ends by itself."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+    hosts = [subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=os.environ | {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)})
+             for rank in range(2)]
+    outs = [host.communicate(timeout=timeout) for host in hosts]
+    return [subprocess.CompletedProcess(host.args, host.returncode, *out)
+            for host, out in zip(hosts, outs)]
+
+
+def test_a_read_error_on_one_host_ends_every_host_in_one_line(tiny_model, tmp_path):
     """Raised on its host alone, it would skip the exchange the others wait in, and pair each
     later one with another layer's: wrong outputs on every host."""
-    out = launch(Path(__file__).with_name("distributed_lost_host.py"), tiny_model("qwen3_moe"),
-                 "read-error", "decode", timeout=120)
-    assert "Error: host 1: injected read error" in out.stderr
-    assert "rank 1 exited with code 1" in out.stderr
-    assert "Error: [ring] connection to a peer was lost" in out.stderr  # host 0's (as it ends,
-    # mlx.launch may end it first)
+    host0, host1 = ring_hosts(tmp_path, Path(__file__).with_name("distributed_lost_host.py"),
+                              tiny_model("qwen3_moe"), "read-error", "decode")
+    assert host1.returncode == 1 and host1.stderr.startswith("Error: host 1: injected read error")
+    assert host0.returncode == 1
+    assert "Error: [ring] connection to a peer was lost" in host0.stderr
 
 
 def test_a_load_failing_on_one_host_fails_every_host_in_one_line(tiny_model):
