@@ -42,7 +42,10 @@ class BudgetType(click.ParamType):
 
 
 def _fail(e: Exception) -> None:
-    """A one-line error: a library's message may span lines."""
+    """A one-line error: a library's message may span lines. A closed output pipe (`| head`)
+    is no error to report: click ends quietly on it."""
+    if isinstance(e, BrokenPipeError):
+        raise e
     raise click.ClickException(" ".join(str(e).split()))
 
 
@@ -64,7 +67,16 @@ model_option = click.option(
 class _Commands(click.Group):
     """The commands, an error writing their output one line too: click ends quietly on a
     closed pipe (EPIPE) and lets any other OSError out as a traceback (a full disk under
-    `> file`, /dev/full). The commands' own OSErrors are theirs to say (`_fail`)."""
+    `> file`, /dev/full). The commands' own OSErrors are theirs to say (`_fail`). Ctrl-C ends
+    a command with status 130, as a shell reports a command it stopped (click's "Aborted!"
+    exits 1, which a script takes for an error of the command's own)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            _tell("\n[interrupted]", err=True)
+            sys.exit(128 + signal.SIGINT)
 
     def main(self, *args, **kwargs):
         try:
@@ -197,7 +209,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         if distributed:
             click.echo(_format_hosts(loader.host_stats(lm)))
 
-    failed, interrupted = None, False
+    failed, stopped_by = None, None
     with _terminate_as_interrupt() as ending:
         try:
             if prompt is not None:
@@ -209,10 +221,10 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                 _interactive(answer)
         except KeyboardInterrupt:  # ends an interactive chat; a --prompt answer is cut short
             _tell("\n[interrupted]")
-            interrupted = prompt is not None
-        except _Terminated:
+            stopped_by = signal.SIGINT if prompt is not None else None
+        except _Terminated as e:
             _tell("\n[terminated]")
-            failed = click.ClickException("terminated")
+            stopped_by = e.signum
         except (ValueError, RuntimeError, OSError) as e:  # a read error, a lost host, a closed
             failed = e  # terminal (EIO): the outputs are still written
         finally:
@@ -226,8 +238,8 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         _fail(failed)
     if unsaved:  # said above
         sys.exit(1)
-    if interrupted:  # as a shell reports a command stopped by Ctrl-C: scripts see it
-        sys.exit(128 + signal.SIGINT)
+    if stopped_by:  # as a shell reports a command a signal stopped: a script running
+        sys.exit(128 + stopped_by)  # `chat --prompt` must not take a cut answer for a whole one
 
 
 def _mlx_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict]):
@@ -320,7 +332,12 @@ def _tell(message: str, err: bool = False) -> None:
 
 
 class _Terminated(BaseException):
-    """SIGTERM or SIGHUP: the session ends, its outputs saved."""
+    """SIGTERM or SIGHUP (`signum`): the session ends, its outputs saved, and the process
+    exits with 128 + `signum`, as one the signal ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @contextmanager
@@ -334,7 +351,7 @@ def _terminate_as_interrupt():
 
     def interrupt(signum, frame):
         if not ended:
-            raise _Terminated
+            raise _Terminated(signum)
 
     def ending() -> None:
         nonlocal ended
@@ -714,8 +731,10 @@ def repack(model, verify_only):
             return
         with _terminate_as_interrupt():  # its temporary file goes, as on Ctrl-C
             click.echo(rp.repack(path, progress=_progress))
-    except _Terminated:
-        raise click.ClickException("terminated: nothing was written") from None
+    except _Terminated as e:
+        stopped = click.ClickException("terminated: nothing was written")
+        stopped.exit_code = 128 + e.signum
+        raise stopped from None
     except (ValueError, OSError) as e:
         _fail(e)
 

@@ -246,6 +246,27 @@ def test_a_prompt_answer_cut_short_by_ctrl_c_exits_130(tiny_model):
     assert "[interrupted]" in out and "Traceback" not in err
 
 
+def test_an_answer_whose_reader_stops_reading_ends_quietly(tiny_model):
+    """`chat --prompt ... | head -1`: the pipe closing is the reader's choice, no error."""
+    proc = subprocess.Popen([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "2000",
+                             "--prompt", "hello"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.read(20)  # the answer streams
+    proc.stdout.close()  # as `head` exits
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert proc.returncode == 1 and "Error" not in err and "Traceback" not in err, err
+
+
+def test_ctrl_c_while_the_model_loads_exits_130(tiny_model):
+    code = ("import os; from mlx_moestream import cli; "
+            "os.preadv = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()); cli.main()")
+    out = subprocess.run([sys.executable, "-c", code, "chat", "-m", str(tiny_model("qwen3_moe")),
+                          "--prompt", "hello"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stderr
+    assert out.stderr.endswith("\n[interrupted]\n") and "Aborted" not in out.stderr
+
+
 @pytest.mark.parametrize("name, message", [
     ("notes.png", "refusing to replace {path}: it is not a plot mlx-moestream wrote"),
     ("photo.png", "refusing to replace {path}: it is not a plot mlx-moestream wrote"),

@@ -562,7 +562,9 @@ def test_a_profile_that_cannot_be_written_does_not_lose_the_trace(tiny_model, tm
     assert Trace.load(folder / "t.npz").tokens > 0
 
 
-def test_sigterm_ends_an_interactive_chat_saving_profile_and_trace(tiny_model, tmp_path):
+def test_sigterm_ends_an_interactive_chat_saving_profile_and_trace_with_status_143(tiny_model,
+                                                                                  tmp_path):
+    """128 + SIGTERM, as a shell reports a command the signal ended."""
     chat = subprocess.Popen(
         [*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "4", "--profile", "save",
          str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz")],
@@ -573,7 +575,7 @@ def test_sigterm_ends_an_interactive_chat_saving_profile_and_trace(tiny_model, t
         pass
     chat.send_signal(signal.SIGTERM)
     _, err = chat.communicate(timeout=60)
-    assert "Traceback" not in err
+    assert chat.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
     assert Profile.load(tmp_path / "p.json").tokens > 0
     assert Trace.load(tmp_path / "t.npz").tokens > 0
 
@@ -581,8 +583,8 @@ def test_sigterm_ends_an_interactive_chat_saving_profile_and_trace(tiny_model, t
 def test_a_chat_whose_terminal_closed_saves_its_outputs_without_a_traceback(tiny_model,
                                                                              tmp_path):
     """The terminal closing sends SIGHUP, and from then on every write to it fails (EIO): the
-    outputs are still saved, and the chat ends with status 1 and no traceback (stderr here is
-    a pipe, as when it is redirected to a log)."""
+    outputs are still saved, and the chat ends with status 129 (128 + SIGHUP) and no traceback
+    (stderr here is a pipe, as when it is redirected to a log)."""
     import pty
 
     terminal, chat_side = pty.openpty()
@@ -600,7 +602,7 @@ def test_a_chat_whose_terminal_closed_saves_its_outputs_without_a_traceback(tiny
     chat.send_signal(signal.SIGHUP)
     chat.send_signal(signal.SIGCONT)
     _, err = chat.communicate(timeout=60)
-    assert chat.returncode == 1 and "Traceback" not in err, err
+    assert chat.returncode == 128 + signal.SIGHUP and "Traceback" not in err, err
     assert Profile.load(tmp_path / "p.json").tokens > 0
     assert Trace.load(tmp_path / "t.npz").tokens > 0
 

@@ -356,7 +356,7 @@ def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_cop
     path = model_copy("qwen3_moe")
     at_third_read(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
     out = CliRunner().invoke(main, ["repack", "--model", str(path)])
-    assert out.exit_code == 1
+    assert out.exit_code == 128 + signal.SIGTERM
     assert out.output.splitlines()[-1] == "Error: terminated: nothing was written"
     assert not repack_dir(path).exists()
 
