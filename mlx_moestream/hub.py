@@ -24,6 +24,15 @@ class ModelError(ValueError):
     """A model that cannot be found, read by mlx-lm, or streamed."""
 
 
+def check_tokenizer(path: Path, tokenizer) -> None:
+    """A folder without tokenizer files loads, in mlx-lm and transformers alike, as a tokenizer
+    of one token built from config.json's model type: it encodes every text as nothing, and
+    generation failed with a message about missing inputs."""
+    if len(tokenizer.get_vocab()) < 2:
+        raise ModelError(f"{path}: no tokenizer files (tokenizer.json, tokenizer.model, "
+                         "vocab.json, ...): the model has no tokenizer to read text with")
+
+
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
     """A local model directory, a Hugging Face repo id resolved through the local cache/hub, or
     None / "embedded" for the model shipped with the package."""

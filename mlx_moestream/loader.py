@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from .budget import available_memory_bytes, resolve_budget
-from .hub import ModelError, resolve_model_path
+from .hub import ModelError, check_tokenizer, resolve_model_path
 from .mlx_backend import MLXSlotPool, attach, plan_model
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY
@@ -119,6 +119,7 @@ def load(
         try:  # with other hosts, each ends its load in `_join`, failed or not
             path = resolve_model_path(model, revision)
             lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
+            check_tokenizer(path, tokenizer)  # inspect and repack need none
             if group is not None:
                 try:
                     plan = plan.host_share(group.rank(), group.size())

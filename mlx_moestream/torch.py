@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import initialization as init
 
 from .budget import BudgetError, available_memory_bytes, resolve_budget
-from .hub import ModelError, resolve_model_path
+from .hub import ModelError, check_tokenizer, resolve_model_path
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
@@ -123,6 +123,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
+    check_tokenizer(path, tokenizer)
     return lm, tokenizer
 
 

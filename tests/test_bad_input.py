@@ -176,6 +176,18 @@ def test_unknown_architecture_is_named(model_copy):
         mlx_moestream.load(path)
 
 
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def test_a_model_without_tokenizer_files_is_refused_naming_them(model_copy):
+    """mlx-lm loads it with a tokenizer of one token, which encodes every text as nothing."""
+    path = model_copy()
+    for name in TOKENIZER_FILES:
+        (path / name).unlink()
+    with pytest.raises(ModelError, match=re.escape(f"{path}: no tokenizer files")):
+        mlx_moestream.load(path)
+
+
 def test_dense_model_is_rejected_as_not_moe(tmp_path):
     import mlx.core as mx
     from mlx.utils import tree_flatten

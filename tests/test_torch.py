@@ -625,6 +625,16 @@ def test_experts_modules_that_cannot_stream_are_refused_at_load(hf_model, arch, 
         moestream_torch.load(hf_model(arch), budget="100%")
 
 
+def test_a_checkpoint_without_tokenizer_files_is_refused_naming_them(hf_model, tmp_path):
+    """transformers loads it with a tokenizer of one token, which encodes every text as
+    nothing."""
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "copy")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink()
+    with pytest.raises(ModelError, match=re.escape(f"{path}: no tokenizer files")):
+        moestream_torch.load(path, budget="100%")
+
+
 def test_a_checkpoint_name_the_model_has_is_not_renamed(hf_model, hf_reference):
     """As transformers: AXK1's renaming `post_mlp_layernorm` -> `mlp.post_mlp_layernorm` does
     not turn a checkpoint's `mlp.post_mlp_layernorm` into `mlp.mlp.post_mlp_layernorm`."""
