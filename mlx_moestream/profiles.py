@@ -76,9 +76,10 @@ class Profile:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
         return path
 
-    @classmethod
-    def load(cls, path: str | Path) -> "Profile":
-        path = Path(path)
+    @staticmethod
+    def read(path: Path) -> dict:
+        """A profile file's content, of any version: what saving may replace (another version
+        of this tool wrote it too)."""
         if path.exists() and not path.is_file():  # a FIFO's read waits for a writer, forever
             raise ProfileError(f"{path}: not a readable profile (not a regular file)")
         try:
@@ -88,6 +89,12 @@ class Profile:
             raise ProfileError(f"{path}: not a readable profile ({why})") from None
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ProfileError(f"{path}: not an mlx-moestream profile (schema != '{SCHEMA}')")
+        return data
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        data = cls.read(path)
         if data.get("version") != VERSION:
             raise ProfileError(f"{path}: profile version {data.get('version')} is not {VERSION}")
         try:
@@ -237,7 +244,7 @@ def save_target(name: str | Path) -> Path:
     `.`, `_`, `-`) goes to ./profiles if it exists, else the user directory (made now, so that
     the path this returns passes this check again); a path (a `Path`, or a string ending in
     `.json`) must be in an existing folder. An existing file is replaced only if it is a
-    profile."""
+    profile (of any version)."""
     if isinstance(name, Path) or _json_file(name):
         path = Path(name).expanduser()
         if not path.parent.is_dir():
@@ -253,7 +260,7 @@ def save_target(name: str | Path) -> Path:
     else:
         raise ProfileError(f"'{name}' is neither a profile name (letters, digits, '.', '_', '-') "
                            f"nor a path ending in .json")
-    check_replaceable(path, Profile.load, "an mlx-moestream profile", ProfileError)
+    check_replaceable(path, Profile.read, "an mlx-moestream profile", ProfileError)
     return path
 
 

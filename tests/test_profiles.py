@@ -497,6 +497,18 @@ def test_profile_save_never_replaces_a_file_that_is_not_a_profile(tiny_model, tm
     assert notes.read_text() == '{"mine": true}' and notes.stat().st_mode & 0o777 == 0o600
 
 
+def test_profile_save_replaces_a_profile_of_another_version(tiny_model, tmp_path):
+    """Another version of this tool wrote it: refused, it was said to be no profile at all."""
+    from mlx_moestream.profiles import SCHEMA, VERSION
+
+    target = tmp_path / "p.json"
+    target.write_text(json.dumps({"schema": SCHEMA, "version": VERSION + 1}))
+    out = _cli("chat", "-m", tiny_model("qwen3_moe"), "--prompt", PROMPT, "-n", 4,
+               "--profile", "save", target, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert Profile.load(target).tokens > 0
+
+
 def test_a_session_that_routed_nothing_leaves_an_earlier_profile_as_it_was(tiny_model,
                                                                              tmp_path):
     """Ctrl-D at once (stdin empty): the saved profile replaced the earlier one with an empty
