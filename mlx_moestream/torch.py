@@ -394,6 +394,11 @@ def _experts_modules(path: Path, config, store: ExpertStore) -> list[_Experts]:
         entry["names"].append(name)
         entry["dtypes"].add(info.dtype)
     if not found:
+        mlx_layout = next((key for key in store.tensors if ".switch_mlp." in key), None)
+        if mlx_layout:  # mlx-lm's stacked experts: an mlx-community conversion
+            raise ModelError(f"{path}: its experts are in mlx-lm's layout ('{mlx_layout}'), "
+                             f"which transformers does not read: load it with the MLX backend "
+                             f"(mlx_moestream.load, chat without --backend torch)")
         raise ModelError(f"{path}: no expert tensors named as transformers' fused experts "
                          f"modules take them ('...experts.gate_up_proj' or "
                          f"'...experts.0.gate_proj.weight'): not a Mixture-of-Experts "

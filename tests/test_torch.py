@@ -635,6 +635,14 @@ def test_a_checkpoint_without_tokenizer_files_is_refused_naming_them(hf_model, t
         moestream_torch.load(path, budget="100%")
 
 
+def test_an_mlx_lm_checkpoint_is_refused_pointing_to_the_mlx_backend(tiny_model):
+    """An mlx-community conversion: it was said to be no Mixture-of-Experts checkpoint."""
+    with pytest.raises(ModelError, match=re.escape(
+            "its experts are in mlx-lm's layout ('model.layers.0.mlp.switch_mlp.down_proj.weight'"
+            "), which transformers does not read: load it with the MLX backend")):
+        moestream_torch.load(tiny_model("qwen3_moe"), budget="100%")
+
+
 def test_a_checkpoint_name_the_model_has_is_not_renamed(hf_model, hf_reference):
     """As transformers: AXK1's renaming `post_mlp_layernorm` -> `mlp.post_mlp_layernorm` does
     not turn a checkpoint's `mlp.post_mlp_layernorm` into `mlp.mlp.post_mlp_layernorm`."""
