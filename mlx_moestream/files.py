@@ -20,7 +20,8 @@ WRITER = "mlx-moestream"  # the mark of the files this tool writes where a forma
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Call `write` on a temporary file beside `path`, sync it, then rename it over `path`
     (over the file a symbolic link `path` points to: the link stays). Temporary files that a
-    killed writer (kill -9) left for it are removed first."""
+    killed writer (kill -9) left for it are removed first. An OSError of the writing (a full
+    disk) names `path`: a file object's error names no file."""
     path = _written_path(path)
     _remove_orphans(path)
     tmp = _temporary(path, os.getpid(), secrets.token_hex(4))
@@ -33,9 +34,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         with contextlib.suppress(FileNotFoundError):  # a replaced file keeps its mode
             os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)
         raise
 
 

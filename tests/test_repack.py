@@ -1,5 +1,6 @@
 """The expert-major copy: exact outputs, one read per expert, checked at open."""
 
+import errno
 import json
 import mmap
 import os
@@ -358,6 +359,24 @@ def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_cop
     out = CliRunner().invoke(main, ["repack", "--model", str(path)])
     assert out.exit_code == 128 + signal.SIGTERM
     assert out.output.splitlines()[-1] == "Error: terminated: nothing was written"
+    assert not repack_dir(path).exists()
+
+
+def test_a_repack_the_disk_cannot_hold_names_the_file_it_could_not_write(model_copy):
+    """A file size limit (`ulimit -f`) fails its writes as a full disk does."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    path = model_copy("qwen3_moe")
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "repack", "--model",
+                          str(path)], capture_output=True, text=True, timeout=120,
+                         preexec_fn=limit_file_size)
+    assert out.returncode == 1
+    assert out.stderr.endswith(f"Error: [Errno {errno.EFBIG}] File too large: "
+                               f"'{repack_dir(path) / 'experts.bin'}'\n"), out.stderr
     assert not repack_dir(path).exists()
 
 
