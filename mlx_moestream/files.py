@@ -37,8 +37,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+            e.filename = str(path)  # (one with no errno would print as "[Errno None] None")
         raise
 
 
