@@ -739,6 +739,13 @@ class Belady(Policy):
         for key in keys:
             self.resident.add(key)
 
+    def warm(self, keys: list[int]) -> None:
+        """Resident before the replay (a profile's pre-warm), ranked by its first use: a use
+        here would be one the future does not hold."""
+        for key in keys:
+            self.next_use[key] = self.future.first_at[key]
+        self.insert(keys)
+
     def victims(self, n: int, protected: set[int]) -> list[int]:
         resident = self.resident
         return [resident.pop_min(-self.next_use[resident.active], protected) for _ in range(n)]

@@ -47,7 +47,8 @@ def replay(
 
     Returns a JSON-ready dict: `hits`, `misses`, `hit_rate`, `evictions`, `capacity` (slots),
     `accesses_per_second` (the replay's speed),
-    `policy`, `lru_hit_rate` and `belady_hit_rate` (the same trace and capacity), and, when the
+    `policy`, `lru_hit_rate` and `belady_hit_rate` (the same trace, capacity and pre-warmed
+    start: a cold Belady could lose to a pre-warmed policy), and, when the
     trace has `segment_id`, `segments` (one per run of equal segment_id: `segment_id`,
     `start_token`, `tokens`, `hit_rate`, `steady_hit_rate`, `recovery_tokens`) and
     `recovery_tokens` (one per switch; the LRU figures as `lru_recovery_tokens`).
@@ -65,7 +66,7 @@ def replay(
     baselines = {name: result for name in ("lru", "belady") if result["policy"] == name}
     for name in ("lru", "belady"):
         if name not in baselines:
-            baselines[name] = _summary(prepared, name, slots, per_layer, None, window_tokens)
+            baselines[name] = _summary(prepared, name, slots, per_layer, profile, window_tokens)
     return _with_baselines(result, baselines)
 
 
@@ -77,13 +78,14 @@ def sweep(
     profile: Profile | None = None,
     window_tokens: int = 32,
 ) -> list[dict]:
-    """`replay` of every policy at every capacity; LRU and Belady run once per capacity."""
+    """`replay` of every policy at every capacity; LRU and Belady run once per capacity (each
+    pre-warmed from `profile` too)."""
     slots_of = [capacity_slots(trace, capacity, per_layer) for capacity in capacities]
     prepared = _Prepared(trace)
     results = []
     for slots in slots_of:
         baselines = {
-            name: _summary(prepared, name, slots, per_layer, None, window_tokens)
+            name: _summary(prepared, name, slots, per_layer, profile, window_tokens)
             for name in ("lru", "belady")
         }
         for policy in policies:

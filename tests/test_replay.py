@@ -54,6 +54,17 @@ def test_prewarming_with_the_workload_profile_raises_early_hit_rate(policy):
     assert warm["hit_rate"] > cold["hit_rate"]
 
 
+def test_the_baselines_of_a_prewarmed_replay_start_prewarmed_too():
+    """Else a pre-warmed policy beat Belady on a short trace: no reads for what it held."""
+    early = synthetic_trace(32, 4, 128, 8, switch_at=None, seed=0)
+    recorded = synthetic_trace(512, 4, 128, 8, switch_at=None, seed=0, sample_seed=1)
+    profile = trace_profile(recorded, np.arange(recorded.tokens), "same workload")
+    for result in sweep(early, ["cyclic", "lru", "belady"], CAPACITIES, profile=profile):
+        assert result["hit_rate"] <= result["belady_hit_rate"]
+        lru = replay(early, "lru", result["capacity"], profile=profile)
+        assert result["lru_hit_rate"] == lru["hit_rate"]
+
+
 def test_replay_result_is_json_ready_with_baselines_and_segments():
     trace = synthetic_trace(300, 3, 32, 4, seed=2)
     result = json.loads(json.dumps(replay(trace, "slru", 0.3)))
