@@ -264,12 +264,12 @@ class Runtime:
         routed, ids = self._unmasked(layer, ids)
         if not routed and not compute:
             return None
-        self.held.append((self.stats.route, (layer, routed)))
         experts = sorted(set(routed)) if routed else [0]  # expert 0 where every id is masked
         if self.prefetch:
             self.prefetch.score(layer, experts)
         if len(experts) > self.capacity(layer):
-            return None
+            return None  # `rounds` counts each round's routing with its accesses
+        self.held.append((self.stats.route, (layer, routed)))
         return experts, ids
 
     def _finish_reads(self, layer: int) -> None:
@@ -291,8 +291,11 @@ class Runtime:
         """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
         ids, their slots); the caller computes each round before asking for the next, which
         may reuse its slots."""
-        _, flat = self._unmasked(layer, ids.reshape(-1))
+        given = ids.reshape(-1)
+        routed, flat = self._unmasked(layer, given)
         order = np.argsort(flat, kind="stable")
+        if len(routed) < len(flat):  # masked ids (pointing at a routed expert) count nothing
+            valid = (given >= 0) & (given < self.plan.layers[layer].num_experts)
         sorted_ids = flat[order]
         experts = np.unique(sorted_ids)
         capacity, done = self.capacity(layer), 0
@@ -300,7 +303,9 @@ class Runtime:
             chunk = experts[start : start + capacity]
             end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
             positions = order[done:end]
-            with CRITICAL:
+            counted = positions if len(routed) == len(flat) else positions[valid[positions]]
+            with CRITICAL:  # a read error ends the call: its later rounds count nothing
+                self.held.append((self.stats.route, (layer, flat[counted].tolist())))
                 slots = self._request(layer, chunk.tolist(), flat[positions])
             yield positions, slots
             done = end

@@ -306,6 +306,36 @@ def test_read_error_names_file_and_expert_and_the_session_continues(model_copy, 
     assert stats["read_errors"] == 1
 
 
+def test_a_read_failing_in_a_call_computed_in_rounds_counts_only_the_rounds_that_ran(
+        model_copy, monkeypatch):
+    """Routing counted the whole call while hits and misses counted the rounds that ran: a
+    profile saved then held experts the session never served."""
+    import errno
+    import os
+
+    import mlx.core as mx
+
+    from mlx_moestream.loader import load_lazy
+    from mlx_moestream.testing import PROMPT_IDS
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget=load_lazy(path)[-1].min_budget_bytes)
+    runtime = model.moestream
+    expert_4 = int(runtime.store.layers[0][0].offsets[4])  # in the third round of two experts
+    preadv = os.preadv
+
+    def failing_at_expert_4(fd, bufs, offset):
+        if offset == expert_4:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", failing_at_expert_4)
+    with pytest.raises(StoreError, match="layer 0 expert 4"):
+        mx.eval(model(mx.array(PROMPT_IDS)))
+    layer = mlx_moestream.stats(model)["layers"][0]
+    assert layer["hits"] + layer["misses"] == layer["unique_experts"] == 6
+
+
 def test_a_shard_rewritten_in_place_mid_session_fails_every_later_read(model_copy):
     """Same size, other bytes: the experts read before stay (they were right); no expert is
     read from the changed file, even after it is restored, until the model is loaded again."""
