@@ -79,6 +79,7 @@ class _Commands(click.Group):
             sys.exit(128 + signal.SIGINT)
 
     def main(self, *args, **kwargs):
+        _open_standard_streams()
         try:
             return super().main(*args, **kwargs)
         except OSError as e:  # a file's error names it; the output's names none
@@ -86,6 +87,22 @@ class _Commands(click.Group):
             where = e.filename or "cannot write the output"
             _tell(f"Error: {where}: {e.strerror or e}", err=True)
             sys.exit(1)
+
+
+def _open_standard_streams() -> None:
+    """A standard stream closed at start (`<&-`) reads and writes /dev/null instead: the next
+    file opened would take its descriptor, and MLX refuses to load a file from descriptor 0
+    ("Failed to open file"). An interactive chat then reads the end of its input."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:  # what Python starts with for a closed one
+            setattr(sys, name, open(fd, mode, closefd=False))
 
 
 @click.group(cls=_Commands)

@@ -258,6 +258,15 @@ def test_an_answer_whose_reader_stops_reading_ends_quietly(tiny_model):
     assert proc.returncode == 1 and "Error" not in err and "Traceback" not in err, err
 
 
+def test_chat_with_its_standard_input_closed_answers(tiny_model):
+    """`chat --prompt ... <&-`: the model's file took descriptor 0, which MLX refuses."""
+    out = subprocess.run([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "--prompt", "hello",
+                          "-n", "4"], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: os.close(0))
+    assert out.returncode == 0, out.stderr
+    assert "4 generated" in out.stdout
+
+
 def test_ctrl_c_while_the_model_loads_exits_130(tiny_model):
     code = ("import os; from mlx_moestream import cli; "
             "os.preadv = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()); cli.main()")
