@@ -398,15 +398,22 @@ class HostExperts(nn.Module):
     """Expert parallelism: this host computes the positions routed to its own experts and
     zeros elsewhere, and an `all_sum` over the hosts gives every host every position's output,
     exactly the single host's (x + 0 is x). Selecting, not multiplying, keeps whatever a
-    position of another host's expert computed here (from any slot) out of the sum."""
+    position of another host's expert computed here (from any slot) out of the sum.
 
-    def __init__(self, local: nn.Module, first: int, count: int, group, runtime: Runtime):
+    The first MoE layer's exchange also compares the hosts' inputs (`checks_inputs`): hosts
+    fed other tokens (a script that reads its prompt on each host, or seeds its sampling apart)
+    would sum the outputs of other tokens' experts: every host raises instead, at the same
+    point, before any output of that call."""
+
+    def __init__(self, local: nn.Module, first: int, count: int, group, runtime: Runtime,
+                 checks_inputs: bool = False):
         super().__init__()
         self.local = local  # StreamingExperts or ResidentExperts: a child, see `PooledExperts`
         object.__setattr__(self, "first", first)
         object.__setattr__(self, "count", count)
         object.__setattr__(self, "group", group)
         object.__setattr__(self, "runtime", runtime)
+        object.__setattr__(self, "checks_inputs", checks_inputs)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         try:
@@ -419,8 +426,22 @@ class HostExperts(nn.Module):
                      f"this layer: every host ends)")
         y = mx.where(owned[..., None], y, 0)
         y = mx.distributed.all_sum(y, group=self.group)
-        with self.runtime.watchdog:
-            mx.eval(y)
+        if not self.checks_inputs:
+            with self.runtime.watchdog:
+                mx.eval(y)
+        else:  # each host's input print in its own row, zeros elsewhere: every host gets all
+            host, hosts = self.runtime.host
+            mine = mx.arange(hosts)[:, None] == host
+            prints = mx.distributed.all_sum(mx.where(mine, _input_print(x), 0), group=self.group)
+            with self.runtime.watchdog:
+                mx.eval(y, prints)
+            prints = np.array(prints)
+            other = next((h for h in range(1, hosts)
+                          if not np.array_equal(prints[h], prints[0], equal_nan=True)), None)
+            if other is not None:
+                raise ValueError(f"host {other} was given other input tokens than host 0: every "
+                                 "host must make the same calls with the same inputs (and "
+                                 "sample alike: do not seed hosts apart)")
         self.runtime.count_sync()
         return y
 
@@ -446,6 +467,14 @@ class HostExperts(nn.Module):
             owned = (ids >= 0) & (ids < self.count)
             y = self.local(x, mx.where(owned, ids, -1))
         return y, owned
+
+
+def _input_print(x: mx.array) -> mx.array:
+    """Two numbers that differ where two inputs of a call differ (other tokens, or the same in
+    another order): the sum of every position's hidden state, and their sum weighted by
+    position. Equal inputs give equal bits on every host."""
+    rows = mx.sum(x.astype(mx.float32), axis=-1).reshape(-1)
+    return mx.stack([mx.sum(rows), mx.sum(rows * mx.arange(1, rows.size + 1, dtype=mx.float32))])
 
 
 def end_host(message: str) -> None:
@@ -515,7 +544,8 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
             streamed.append((experts, _router(parent, runtime.plan.layers[i].num_experts)))
         if group is not None:
             layer = runtime.plan.layers[i]
-            experts = HostExperts(experts, layer.first_expert, layer.num_experts, group, runtime)
+            experts = HostExperts(experts, layer.first_expert, layer.num_experts, group, runtime,
+                                  checks_inputs=i == 0)
         setattr(parent, attr, experts)
     model.moestream = runtime
     if prefetch:

@@ -144,6 +144,24 @@ def test_a_read_error_on_one_host_ends_every_host_in_one_line(tiny_model, tmp_pa
     assert "Error: [ring] connection to a peer was lost" in host0.stderr
 
 
+@pytest.mark.parametrize("mode, after", [("tokens", 0), ("seed", None)])
+def test_hosts_fed_other_tokens_refuse_the_call_on_every_host(tiny_model, mode, after):
+    """Each host's expert outputs were summed with those of another token's: wrong outputs on
+    every host. Sampling seeded apart feeds each host its own token from the next call on."""
+    out = launch(Path(__file__).with_name("distributed_inputs.py"), tiny_model("qwen3_moe"), mode,
+                 timeout=120)
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("host "))
+    assert len(lines) == 2, out.stderr
+    counts = set()
+    for host, line in enumerate(lines):
+        assert line.startswith(f"host {host}: after "), lines
+        assert line.endswith("Error: host 1 was given other input tokens than host 0: every host "
+                             "must make the same calls with the same inputs (and sample alike: "
+                             "do not seed hosts apart)"), lines
+        counts.add(int(line.split()[3]))
+    assert len(counts) == 1 and (after is None or counts == {after}), lines  # at the same call
+
+
 def test_a_load_failing_on_one_host_fails_every_host_in_one_line(tiny_model):
     path = tiny_model("qwen3_moe")
     lines = load_on_hosts(path, "60%", path, "1KiB")

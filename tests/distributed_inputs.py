@@ -1,0 +1,31 @@
+"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: the hosts are fed
+apart, as a script that reads its prompt on each host, or seeds each host apart, feeds them:
+`tokens` (host 1's prompt has another token) or `seed` (each host samples with its own seed).
+Each host prints, in one line, the tokens it generated or its error."""
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+import mlx_moestream
+from mlx_moestream.testing import PROMPT_IDS
+
+path, mode = sys.argv[1], sys.argv[2]
+model, _ = mlx_moestream.load(path, budget="60%", distributed=True, timeout_seconds=30)
+host = model.moestream.host[0]
+prompt = mx.array(PROMPT_IDS[0, :8])
+if mode == "tokens" and host == 1:
+    prompt[3] = prompt[3] + 1
+if mode == "seed":
+    mx.random.seed(host)
+tokens = []
+try:
+    for token, _ in generate_step(prompt, model, max_tokens=16,
+                                  sampler=make_sampler(temp=0.0 if mode == "tokens" else 1.0)):
+        tokens.append(int(token))
+except ValueError as e:
+    print(f"host {host}: after {len(tokens)} tokens: Error: {e}", flush=True)
+else:
+    print(f"host {host}: {tokens}", flush=True)
