@@ -238,12 +238,19 @@ class ExpertCache:
 
     def discard(self, layer: int, expert: int) -> bool:
         """Forget a resident expert whose load failed, so its slot is never read as valid;
-        whether it was resident (a load may be finished twice, after an interrupt)."""
+        whether it was resident (a load may be finished twice, after an interrupt). A pinned
+        one (pinned while its read was in flight) is unpinned: a pinned key counts as a hit."""
         slot = int(self.slot_of[layer, expert])
         if slot < 0:
             return False
         self.catch_up()
-        self.policy_of[layer].remove(layer * self.num_experts + expert)
+        key = int(self.key_of[layer, expert])
+        if self.pinned[key]:  # out of its policy since it was pinned
+            self.pinned[key] = False
+            self.pinned_count[layer] -= 1
+            self.pinned_total -= 1
+        else:
+            self.policy_of[layer].remove(key)
         self.slot_of[layer, expert] = -1
         self.free.append(slot)
         return True

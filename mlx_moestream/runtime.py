@@ -553,6 +553,7 @@ class Runtime:
         if self.closed:
             raise _closed()
         with self.lock:  # as a layer call: another thread's is never in between
+            self._settle_reads()  # a pin must not take an expert whose read may yet fail
             self.count_all()
             picks, pins = [], []
             for cache in self.caches:
@@ -611,16 +612,23 @@ class Runtime:
         return {**info, "hit_rate_before": ratio(h0, h0 + m0),
                 "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
 
+    def _settle_reads(self) -> None:
+        """Finish the reads in flight (a prefetch's, those a call cut short left running), as
+        a layer call would, before the residency is read or changed outside a call. A failed
+        one is counted in read_errors and its expert forgotten: the next call that needs it
+        reads it again and reports the error. Callers hold the lock."""
+        stalled = self.stats.stall_seconds.copy()
+        try:
+            with CRITICAL:  # see `_finish_reads`
+                self._finish_reads(0)
+        except StoreError:
+            pass
+        finally:  # waiting here is not the forward pass stalling
+            self.stats.stall_seconds[:] = stalled
+
     def stats_dict(self) -> dict:
-        with self.lock:  # as a layer call would: the reads a call cut short left running first,
-            stalled = self.stats.stall_seconds.copy()  # so that every resident expert has its
-            try:  # load counted
-                with CRITICAL:  # see `_finish_reads`
-                    self._finish_reads(0)
-            except StoreError:  # counted in read_errors, the expert forgotten: the next call
-                pass  # that needs it reads it again and reports the error
-            finally:  # waiting here is not the forward pass stalling
-                self.stats.stall_seconds[:] = stalled
+        with self.lock:
+            self._settle_reads()  # so that every resident expert has its load counted
             self.count_all()
             out = self.stats.as_dict()
         out.update(

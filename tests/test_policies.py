@@ -662,6 +662,18 @@ def test_a_call_whose_experts_are_all_pinned_leaves_the_policy_working(policy):
     assert len(loads) == 2 and (0, 0) in _resident(cache) and len(_resident(cache)) == 4
 
 
+@pytest.mark.parametrize("policy", ONLINE)
+def test_a_pinned_expert_whose_load_failed_is_unpinned_and_read_again(policy):
+    """Left pinned without a slot it counted as a hit with slot -1: an out-of-range gather
+    (cyclic), or a KeyError from its policy at every later call (lru, slru, lfu)."""
+    cache = _cache(4, layers=2, policy=policy)
+    _request(cache, 0, [0, 1])
+    cache.pin(0, 0)
+    assert cache.discard(0, 0)
+    assert cache.pinned_total == 0 and cache.capacity(0) == 4
+    assert _request(cache, 0, [0]) == [(0, cache.slot_of[0, 0])]  # a miss, read again
+
+
 def test_cyclic_survives_one_tick_of_many_half_lives():
     cache = _cache(4, layers=2, policy="cyclic:half_life=1")
     _request(cache, 0, [0, 1])

@@ -15,6 +15,7 @@ import pytest
 
 import mlx_moestream
 from mlx_moestream.profiles import Profile, ProfileError, find
+from mlx_moestream.store import StoreError
 from mlx_moestream.replay import token_hits
 from mlx_moestream.trace import Trace
 
@@ -421,6 +422,60 @@ def test_a_second_prewarm_counts_the_pins_of_the_first(tiny_model, tmp_path, per
     stock, _ = mlx_lm.load(str(path))
     assert (mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
             == mlx_lm.generate(stock, tokenizer, PROMPT, max_tokens=16))
+
+
+def test_a_prewarm_pins_no_expert_whose_read_is_still_in_flight(tiny_model, reference):
+    """A decode step cut short by Ctrl-C leaves the next layer's prefetch reads in flight; a
+    prewarm pinned those experts, and when the reads failed they stayed pinned without a slot:
+    every later token computed from slot -1 (cyclic), or every call raised (lru)."""
+    import threading
+
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_moestream.testing import PROMPT_IDS, greedy_logits
+
+    path = tiny_model("qwen3_moe", num_layers=4, num_experts=16)
+    model, _ = mlx_moestream.load(path, budget="40%", prefetch=True)
+    runtime = model.moestream
+    read, failing = runtime.store.read_expert, [False]
+
+    def read_expert(layer, expert, destination):  # layer 2's reads on the I/O threads
+        if failing[0] and layer == 2 and threading.current_thread() is not threading.main_thread():
+            raise StoreError(f"injected read error of layer 2 expert {expert}")
+        return read(layer, expert, destination)
+
+    class CtrlC(nn.Module):  # in layer 2's attention: layer 1 has started its prefetch
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.armed = inner, False
+
+        def __call__(self, *args, **kwargs):
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return self.inner(*args, **kwargs)
+
+    runtime.store.read_expert = read_expert
+    attention = model.model.layers[2].self_attn = CtrlC(model.model.layers[2].self_attn)
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(mx.array(PROMPT_IDS), cache=cache)[:, -1], axis=-1)
+    failing[0] = attention.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        model(token[:, None], cache=cache)
+    failing[0] = False
+    in_flight = [(layer, expert) for layer, expert, _ in runtime.prefetch.reads]
+    assert in_flight and {layer for layer, _ in in_flight} == {2}
+    decayed = np.zeros((4, 16))
+    for i, (layer, expert) in enumerate(in_flight):
+        decayed[layer, expert] = 100 - i
+    profile = Profile("hot", runtime.plan.identity, decayed.copy(), decayed, 100, 32,
+                      [layer.path for layer in runtime.plan.layers])
+    pinned = mlx_moestream.prewarm(model, profile, share=0.0, pin_share=0.5)["pinned"]
+    assert pinned > 0
+    got = greedy_logits(model)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, reference(path)))
+    assert mlx_moestream.stats(model)["layers"][2]["pinned"] == pinned  # read again, then pinned
 
 
 def test_per_layer_split_follows_the_profile_and_stays_exact(tiny_model, tmp_path):
