@@ -67,7 +67,10 @@ class Prefetch:
         cache = runtime.layer_cache[nxt]
         self.predictions[nxt] = predicted
         self.predicted_misses[nxt] = set(cache.missing(nxt, predicted).tolist())
-        if len(predicted) + len(self.reading) > cache.capacity(nxt) or not self.pays(nxt):
+        # this call's experts take room from the next layer's only in a pool they share
+        shared = runtime.layer_cache[layer] is cache and not cache.per_layer
+        room = cache.capacity(nxt) - (len(self.reading) if shared else 0)
+        if len(predicted) > room or not self.pays(nxt):
             return
         with CRITICAL:
             loads, evicted = cache.prefetch(nxt, predicted, self.reading)

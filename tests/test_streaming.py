@@ -293,6 +293,18 @@ def test_prefetch_keeps_logits_exact_and_is_scored(tiny_model, reference, arch):
     assert stats["resident_bytes"] <= stats["budget_bytes"]
 
 
+def test_prefetch_reads_into_per_layer_shares_of_one_call_s_experts(tiny_model, reference):
+    """This call's experts sit in its own layer's share, not the next one's: counted against
+    the next layer's room, they stopped every read where a share held fewer than 2 x top-k,
+    and each token paid for predictions that read nothing."""
+    path = tiny_model("qwen3_moe", num_layers=4, num_experts=16)
+    model, _ = mlx_moestream.load(path, budget=min_budget(path) * 4, prefetch=True,
+                                  per_layer=True)  # top-k slots per layer
+    assert set(model.moestream.caches[0].limit.values()) == {model.moestream.plan.top_k}
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+    assert mlx_moestream.stats(model)["prefetch_loads"] > 0
+
+
 def _save_model(path, config: dict):
     """A random-weight mlx-lm model of an architecture `make_tiny_moe` does not build."""
     from mlx.utils import tree_flatten
