@@ -555,9 +555,12 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
 
 
 def _router(block: nn.Module, num_experts: int):
-    """The routing logits of a MoE block (its Linear with one output per expert) and the width
-    of the input it takes, or None."""
-    for name, child in block.children().items():
+    """The routing logits of a MoE block (its Linear with one output per expert: a child, or a
+    child's, as Hunyuan's `gate.wg`) and the width of the input it takes, or None."""
+    children = list(block.children().values())
+    grandchildren = [c for child in children if isinstance(child, nn.Module)
+                     for c in child.children().values()]
+    for child in children + grandchildren:
         if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
             out, width = child.weight.shape
             if out == num_experts:

@@ -378,6 +378,14 @@ def test_a_config_listing_top_k_per_layer_streams_exactly(tmp_path, reference):
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
 
 
+def test_prefetch_finds_a_router_one_module_down(tmp_path, reference):
+    """Hunyuan's router is `mlp.gate.wg`: prefetch predicted nothing for it."""
+    path = _save_model(tmp_path / "hunyuan", HUNYUAN_MOE)
+    model, _ = mlx_moestream.load(path, budget="70%", prefetch=True)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
+    assert model.moestream.stats.predicted.sum() > 0
+
+
 # Kimi-Linear: its checkpoints keep the experts in `block_sparse_moe`, mlx-lm in `mlp`.
 KIMI_LINEAR = {"model_type": "kimi_linear", "vocab_size": 512, "hidden_size": 64,
                "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
