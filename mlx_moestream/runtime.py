@@ -447,6 +447,7 @@ class Runtime:
                     reads.pop(0)
                     if not isinstance(e, StoreError):
                         raise
+                    self.stats.read_errors += 1  # each failed read, as a prefetch's
                     failed = failed or e
                     continue
                 self.count_read(layer, *result)
@@ -454,7 +455,6 @@ class Runtime:
         finally:
             self.stats.stall_seconds[layer] += time.perf_counter() - start
         if failed:
-            self.stats.read_errors += 1
             raise failed
 
     def _finish_unfinished(self, until: list | None = None) -> None:

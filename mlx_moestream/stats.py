@@ -32,7 +32,7 @@ class Stats:
         self.routed_scored = np.zeros(n, np.int64)
         self.prefetch_loads = np.zeros(n, np.int64)
         self.prefetch_used = np.zeros(n, np.int64)
-        self.read_errors = 0
+        self.read_errors = 0  # expert reads that failed, each once (a call may fail several)
         # Tokens routed to each expert, raw and halved every `half_life_tokens`: what a profile saves.
         self.activations = np.zeros((n, num_experts), np.int64)
         self.decayed = np.zeros((n, num_experts), np.float64)

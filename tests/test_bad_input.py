@@ -306,6 +306,31 @@ def test_read_error_names_file_and_expert_and_the_session_continues(model_copy, 
     assert stats["read_errors"] == 1
 
 
+def test_every_failed_read_of_a_call_counts_as_a_read_error(model_copy, monkeypatch):
+    """As a prefetch's failed reads count: a call whose two reads failed counted one."""
+    import errno
+    import os
+
+    import mlx.core as mx
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget="50%")
+    runtime = model.moestream
+    failing = {int(runtime.store.layers[1][0].offsets[e]) for e in (0, 1)}
+    preadv = os.preadv
+
+    def failing_at_experts_0_and_1(fd, bufs, offset):
+        if offset in failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", failing_at_experts_0_and_1)
+    experts = model.model.layers[1].mlp.switch_mlp
+    with pytest.raises(StoreError, match="layer 1 expert 0"):
+        mx.eval(experts(mx.ones((1, 1, 64)), mx.array([[[0, 1]]])))
+    assert mlx_moestream.stats(model)["read_errors"] == 2
+
+
 def test_a_read_failing_in_a_call_computed_in_rounds_counts_only_the_rounds_that_ran(
         model_copy, monkeypatch):
     """Routing counted the whole call while hits and misses counted the rounds that ran: a
