@@ -19,6 +19,7 @@ as in stock mlx-lm. Prefetch reads run while the output computes and never touch
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -400,10 +401,12 @@ class HostExperts(nn.Module):
     exactly the single host's (x + 0 is x). Selecting, not multiplying, keeps whatever a
     position of another host's expert computed here (from any slot) out of the sum.
 
-    The first MoE layer's exchange also compares the hosts' inputs (`checks_inputs`): hosts
-    fed other tokens (a script that reads its prompt on each host, or seeds its sampling apart)
-    would sum the outputs of other tokens' experts: every host raises instead, at the same
-    point, before any output of that call."""
+    The first MoE layer also compares the hosts' inputs first (`checks_inputs`): hosts fed
+    other tokens (a script that reads its prompt on each host, or seeds its sampling apart)
+    would sum the outputs of other tokens' experts, and hosts fed other lengths would exchange
+    outputs of other shapes: every host raises instead, at the same point, before any expert
+    of that call is read. Hosts of different chips may compute the same tokens' hidden states
+    a few roundings apart: each position is compared within `INPUT_TOLERANCE` of its norm."""
 
     def __init__(self, local: nn.Module, first: int, count: int, group, runtime: Runtime,
                  checks_inputs: bool = False):
@@ -416,6 +419,8 @@ class HostExperts(nn.Module):
         object.__setattr__(self, "checks_inputs", checks_inputs)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.checks_inputs:
+            self._check_inputs(x)
         try:
             y, owned = self._own_part(x, indices)
         except StoreError as e:
@@ -426,24 +431,39 @@ class HostExperts(nn.Module):
                      f"this layer: every host ends)")
         y = mx.where(owned[..., None], y, 0)
         y = mx.distributed.all_sum(y, group=self.group)
-        if not self.checks_inputs:
-            with self.runtime.watchdog:
-                mx.eval(y)
-        else:  # each host's input print in its own row, zeros elsewhere: every host gets all
-            host, hosts = self.runtime.host
-            mine = mx.arange(hosts)[:, None] == host
-            prints = mx.distributed.all_sum(mx.where(mine, _input_print(x), 0), group=self.group)
-            with self.runtime.watchdog:
-                mx.eval(y, prints)
-            prints = np.array(prints)
-            other = next((h for h in range(1, hosts)
-                          if not np.array_equal(prints[h], prints[0], equal_nan=True)), None)
-            if other is not None:
-                raise ValueError(f"host {other} was given other input tokens than host 0: every "
-                                 "host must make the same calls with the same inputs (and "
-                                 "sample alike: do not seed hosts apart)")
+        with self.runtime.watchdog:
+            mx.eval(y)
         self.runtime.count_sync()
         return y
+
+    def _check_inputs(self, x: mx.array) -> None:
+        """Raise on every host where one was given other inputs than host 0: first the number
+        of positions (the prints' shape), then each position's print."""
+        positions = x.size // x.shape[-1]
+        counts = self._gathered(mx.array([positions], mx.int32))[:, 0]
+        prints = self._gathered(_input_prints(x)) if (counts == positions).all() else None
+        for host in range(1, len(counts)):
+            if prints is None:
+                differs = counts[host] != counts[0]
+            else:
+                scale = np.maximum(prints[host, :, -1], prints[0, :, -1])[:, None]
+                differs = (np.abs(prints[host, :, :-1] - prints[0, :, :-1])
+                           > INPUT_TOLERANCE * scale).any()
+            if differs:
+                raise ValueError(f"host {host} was given other input tokens than host 0: every "
+                                 "host must make the same calls with the same inputs (and "
+                                 "sample alike: do not seed hosts apart)")
+
+    def _gathered(self, value: mx.array) -> np.ndarray:
+        """Every host's `value` (of one shape on every host), in host order: each sums its
+        own in its row, zeros elsewhere (x + 0 is x)."""
+        host, hosts = self.runtime.host
+        rows = mx.where(mx.arange(hosts).reshape(-1, *[1] * value.ndim) == host, value, 0)
+        rows = mx.distributed.all_sum(rows, group=self.group)
+        with self.runtime.watchdog:
+            mx.eval(rows)
+        self.runtime.count_sync()
+        return np.array(rows)
 
     def _own_part(self, x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
         """The outputs of the positions routed to this host's experts, and where those are."""
@@ -469,12 +489,23 @@ class HostExperts(nn.Module):
         return y, owned
 
 
-def _input_print(x: mx.array) -> mx.array:
-    """Two numbers that differ where two inputs of a call differ (other tokens, or the same in
-    another order): the sum of every position's hidden state, and their sum weighted by
-    position. Equal inputs give equal bits on every host."""
-    rows = mx.sum(x.astype(mx.float32), axis=-1).reshape(-1)
-    return mx.stack([mx.sum(rows), mx.sum(rows * mx.arange(1, rows.size + 1, dtype=mx.float32))])
+# how far two hosts' prints of one position may be apart, as a share of its hidden state's
+# norm: roundings of bfloat16 (2**-8 of each element) move a print by about 0.004 of it, other
+# tokens by about 1.4 of it (four prints: all four under 0.05 has a chance below 1e-6)
+INPUT_TOLERANCE = 0.05
+
+
+def _input_prints(x: mx.array) -> mx.array:
+    """[positions, 5]: four projections of each position's hidden state on fixed random signs
+    (one sign pattern on every host), and its norm."""
+    rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+    norms = mx.sqrt(mx.sum(rows * rows, axis=-1, keepdims=True))
+    return mx.concatenate([rows @ _signs(x.shape[-1]), norms], axis=-1)
+
+
+@functools.cache
+def _signs(width: int) -> mx.array:
+    return mx.array(np.random.default_rng(0).choice([-1.0, 1.0], (width, 4)), mx.float32)
 
 
 def end_host(message: str) -> None:

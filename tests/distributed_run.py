@@ -55,7 +55,8 @@ def check(path: str, budget: str, out: Path) -> None:
         "loads": stats["loads"],
         "bytes_read": stats["bytes_read"],
         "syncs": stats["syncs"],
-        "layer_calls": 13 * model.moestream.plan.num_layers,  # a prompt and 12 tokens
+        "calls": 13,  # a prompt and 12 tokens
+        "layer_calls": 13 * model.moestream.plan.num_layers,
         "own_reads": reads_only_its_experts(model.moestream),
         "combined_loads": hosts["combined"]["loads"],
         "sampled": [int(token) for token, _ in sampled],

@@ -52,7 +52,8 @@ def test_two_hosts_match_one_stock_process_bit_for_bit(run_hosts, arch, bits):
     hosts, _ = run_hosts[arch, bits]
     for h in hosts:
         assert h["equal"] and h["own_reads"] and h["evictions"] > 0
-        assert h["syncs"] == 2 * h["layer_calls"]  # its routed ids, then the exchange
+        # its routed ids, then the exchange; the input check's two at each call's first layer
+        assert h["syncs"] == 2 * h["layer_calls"] + 2 * h["calls"]
     assert hosts[0]["combined_loads"] == sum(h["loads"] for h in hosts)
 
 
@@ -144,10 +145,11 @@ def test_a_read_error_on_one_host_ends_every_host_in_one_line(tiny_model, tmp_pa
     assert "Error: [ring] connection to a peer was lost" in host0.stderr
 
 
-@pytest.mark.parametrize("mode, after", [("tokens", 0), ("seed", None)])
+@pytest.mark.parametrize("mode, after", [("tokens", 0), ("length", 0), ("seed", None)])
 def test_hosts_fed_other_tokens_refuse_the_call_on_every_host(tiny_model, mode, after):
     """Each host's expert outputs were summed with those of another token's: wrong outputs on
-    every host. Sampling seeded apart feeds each host its own token from the next call on."""
+    every host (of other lengths: outputs of other shapes). Sampling seeded apart feeds each
+    host its own token from the next call on."""
     out = launch(Path(__file__).with_name("distributed_inputs.py"), tiny_model("qwen3_moe"), mode,
                  timeout=120)
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("host "))
