@@ -267,10 +267,10 @@ class Runtime:
         experts = sorted(set(routed)) if routed else [0]  # expert 0 where every id is masked
         if self.prefetch:
             self.prefetch.score(layer, experts)
-        if len(experts) > self.capacity(layer):
-            return None  # `rounds` counts each round's routing with its accesses
-        self.held.append((self.stats.route, (layer, routed)))
-        return experts, ids
+        fits = len(experts) <= self.capacity(layer)
+        if fits or not compute:  # else `rounds` counts each round's routing with its accesses
+            self.held.append((self.stats.route, (layer, routed)))
+        return (experts, ids) if fits else None
 
     def _finish_reads(self, layer: int) -> None:
         """Finish the reads in flight (a prefetch's, those a call left running), counting each

@@ -387,6 +387,19 @@ def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
     assert {key: cache.slot_of[key] for key in pinned} == slots
 
 
+def test_a_full_budget_with_most_slots_pinned_counts_every_routed_token(tiny_model, tmp_path):
+    """A prompt routing to more experts than the unpinned slots, every one resident: its
+    routing went uncounted, and a profile saved then lacked it."""
+    path = tiny_model("qwen3_moe")
+    profile = _saved_profile(path, tmp_path, "50%")
+    model, _ = mlx_moestream.load(path, budget="100%", profile=profile, pin_share=1.0)
+    assert all(model.moestream.capacity(layer) < 8 for layer in range(2))
+    mx.eval(model(mx.array([list(range(64))])))
+    stats = mlx_moestream.stats(model)
+    counts = model.moestream.stats.activations
+    assert stats["tokens"] == 64 and (counts.sum(axis=1) == 2 * 64).all()
+
+
 def test_a_prewarm_on_a_full_pool_pins_the_hottest_experts_already_resident(tiny_model,
                                                                            tmp_path):
     path = tiny_model("qwen3_moe")
