@@ -85,6 +85,14 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
         available_memory_bytes()
     lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation, rows)
+    try:  # before any expert is read
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        check_tokenizer(path, tokenizer)
+    except (OSError, ValueError) as e:
+        store.close()
+        if isinstance(e, ModelError):
+            raise
+        raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
     if profile is not None:
         profile.check_model(plan.identity)
     # generate()'s defaults (eos ids, sampling) from generation_config.json, as from_pretrained
@@ -119,11 +127,6 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     runtime.store.loaded()
     if profile is not None:
         runtime.prewarm(profile, prewarm_share, pin_share, progress)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
-    check_tokenizer(path, tokenizer)
     return lm, tokenizer
 
 

@@ -625,9 +625,13 @@ def test_experts_modules_that_cannot_stream_are_refused_at_load(hf_model, arch, 
         moestream_torch.load(hf_model(arch), budget="100%")
 
 
-def test_a_checkpoint_without_tokenizer_files_is_refused_naming_them(hf_model, tmp_path):
+def test_a_checkpoint_without_tokenizer_files_is_refused_naming_them(hf_model, tmp_path,
+                                                                     monkeypatch):
     """transformers loads it with a tokenizer of one token, which encodes every text as
-    nothing."""
+    nothing. Refused before any expert is read."""
+    from mlx_moestream.runtime import Runtime
+
+    monkeypatch.setattr(Runtime, "read_all", lambda *args: pytest.fail("experts were read"))
     path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "copy")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (path / name).unlink()
