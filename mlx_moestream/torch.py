@@ -605,9 +605,14 @@ def _mapped(shape: torch.Size, dtype: torch.dtype, offset: int) -> tuple[torch.T
     """A zero tensor over an anonymous map, starting `offset` bytes into its first page (CPU
     kernels round by alignment: it must be the loaded model's); pages are backed once written.
     Private: a shared anonymous map (mmap's default) lives in shmem, which keeps pages that
-    MADV_DONTNEED hands back, so evicted experts would hold their memory for good."""
+    MADV_DONTNEED hands back, so evicted experts would hold their memory for good. Without
+    huge pages (Linux's transparent ones, on by default in some kernels): a read into one row
+    would back the 2 MiB page around it, other experts' rows too, which no MADV_DONTNEED of
+    an evicted row gives back."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     buffer = mmap.mmap(-1, offset + max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
     raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(dtype).view(shape), buffer
 
