@@ -21,7 +21,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     """Call `write` on a temporary file beside `path`, sync it, then rename it over `path`
     (over the file a symbolic link `path` points to: the link stays). Temporary files that a
     killed writer (kill -9) left for it are removed first. An OSError of the writing (a full
-    disk) names `path`: a file object's error names no file."""
+    disk) names `path`: a file object's error names no file. (`write` reads nothing that
+    raises an OSError without a name: the store's read errors are StoreErrors.)"""
     path = _written_path(path)
     _remove_orphans(path)
     tmp = _temporary(path, os.getpid(), secrets.token_hex(4))

@@ -553,7 +553,7 @@ class Runtime:
         if self.closed:
             raise _closed()
         with self.lock:  # as a layer call: another thread's is never in between
-            self._settle_reads()  # a pin must not take an expert whose read may yet fail
+            self._finish_pending_reads()  # a pin must not take an expert whose read may yet fail
             self.count_all()
             picks, pins = [], []
             for cache in self.caches:
@@ -612,7 +612,7 @@ class Runtime:
         return {**info, "hit_rate_before": ratio(h0, h0 + m0),
                 "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
 
-    def _settle_reads(self) -> None:
+    def _finish_pending_reads(self) -> None:
         """Finish the reads in flight (a prefetch's, those a call cut short left running), as
         a layer call would, before the residency is read or changed outside a call. A failed
         one is counted in read_errors and its expert forgotten: the next call that needs it
@@ -628,7 +628,7 @@ class Runtime:
 
     def stats_dict(self) -> dict:
         with self.lock:
-            self._settle_reads()  # so that every resident expert has its load counted
+            self._finish_pending_reads()  # so that every resident expert has its load counted
             self.count_all()
             out = self.stats.as_dict()
         out.update(

@@ -130,7 +130,11 @@ def ring_hosts(tmp_path, *args, timeout=120) -> list[subprocess.CompletedProcess
                               stderr=subprocess.PIPE, text=True,
                               env=os.environ | {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)})
              for rank in range(2)]
-    outs = [host.communicate(timeout=timeout) for host in hosts]
+    try:
+        outs = [host.communicate(timeout=timeout) for host in hosts]
+    finally:  # none left running after a timeout
+        for host in hosts:
+            host.kill()
     return [subprocess.CompletedProcess(host.args, host.returncode, *out)
             for host, out in zip(hosts, outs)]
 
