@@ -126,7 +126,8 @@ def load(
                 except ValueError as e:
                     raise ModelError(f"{path}: {e}") from None
             budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                          plan.dense_bytes, memory_bytes(), plan.min_budget_bytes)
+                                          plan.dense_bytes, memory_bytes(),
+                                          plan.budget_holding(plan.top_k, per_layer))
             if profile is not None:
                 profile = as_profile(profile)
                 profile.check_model(plan.identity)

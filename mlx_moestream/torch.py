@@ -103,7 +103,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     layers = [(modules[e.module], e, _targets(modules[e.module], e, layer.specs))
               for e, layer in zip(experts, plan.layers)]
     budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                  plan.dense_bytes, memory, plan.budget_holding())
+                                  plan.dense_bytes, memory, plan.budget_holding(None, per_layer))
     weights = profile.working_set() if per_layer and profile is not None else None
     placed = ExpertRows(layers, store) if rows else DeviceSlots(layers, device)
     runtime = Runtime(plan, store, budget_bytes, placed.pool, policy, window_tokens, per_layer,

@@ -6,7 +6,8 @@ import pytest
 import mlx_moestream
 from mlx_moestream import budget, loader
 from mlx_moestream.budget import (BudgetError, auto_budget, available_memory_bytes,
-                                  cgroup_headrooms, parse_size, resolve_budget, vm_stat_available)
+                                  cgroup_headrooms, format_bytes, parse_size, resolve_budget,
+                                  vm_stat_available)
 
 GiB = 2**30
 
@@ -107,6 +108,23 @@ def test_auto_below_the_minimum_says_where_the_memory_went(tiny_model, monkeypat
     with pytest.raises(BudgetError, match=r"budget auto: 512.0 KiB of usable memory, less .* of "
                        r"dense weights and a reserve of 256.0 KiB .* leaves .*, below the minimum"):
         mlx_moestream.load(tiny_model(), budget="auto")
+
+
+def test_auto_below_the_minimum_of_a_per_layer_split_says_where_the_memory_went(tiny_model,
+                                                                                 monkeypatch):
+    """Auto was checked against the shared pool's minimum, then the split's refused the bytes
+    it gave with no word of the memory they came from."""
+    from mlx_moestream.loader import load_lazy
+
+    path = tiny_model()
+    plan = load_lazy(path)[-1]
+    split = plan.budget_holding(plan.top_k, per_layer=True)
+    memory = 2 * (plan.dense_bytes + split) - 2**16  # auto leaves less than the split needs
+    monkeypatch.setattr(loader, "memory_bytes", lambda: memory)
+    assert plan.min_budget_bytes < memory // 2 - plan.dense_bytes < split
+    with pytest.raises(BudgetError, match=r"budget auto: .* of usable memory, .* below the "
+                                          rf"minimum {format_bytes(split)}"):
+        mlx_moestream.load(path, budget="auto", per_layer=True)
 
 
 VM_STAT = """Mach Virtual Memory Statistics: (page size of 16384 bytes)
