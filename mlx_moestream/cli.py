@@ -553,7 +553,10 @@ def inspect(model, as_json, hosts, backend):
              "all_expert_bytes": "all experts", "dense_bytes": "dense weights",
              "min_budget_bytes": "minimum budget",
              "min_budget_bytes_per_layer": "with --per-layer",
-             "min_budget_bytes_per_host": "minimum per host"}
+             "min_budget_bytes_per_host": "minimum per host",
+             "smallest_expert_bytes": "smallest expert"}
+    if "smallest_expert_bytes" in info:
+        names["expert_bytes"] = "largest expert"
     for key, value in info.items():
         label = names.get(key, key.replace("_", " "))
         shown = f"{format_bytes(value)} ({value} bytes)" if "_bytes" in key else value

@@ -136,12 +136,17 @@ class ModelPlan:
         return ModelPlan(self.model_type, self.top_k, layers, self.dense_bytes, self.config_hash)
 
     def describe(self) -> dict:
+        """What `inspect` shows. Layers quantized apart have experts of other sizes: the
+        largest (which the minimum budget holds) and the smallest."""
+        sizes = [layer.expert_bytes for layer in self.layers]
+        smallest = {"smallest_expert_bytes": min(sizes)} if min(sizes) < max(sizes) else {}
         return {
             "model_type": self.model_type,
             "moe_layers": self.num_layers,
             "experts": self.num_experts,
             "top_k": self.top_k,
-            "expert_bytes": self.layers[0].expert_bytes,
+            "expert_bytes": max(sizes),
+            **smallest,
             "all_expert_bytes": self.expert_bytes,
             "dense_bytes": self.dense_bytes,
             "min_budget_bytes": self.min_budget_bytes,

@@ -36,6 +36,30 @@ def test_inspect_prints_the_minimum_budget(tiny_model):
     assert "minimum budget: 48.0 KiB (49152 bytes)" in out.stdout
 
 
+def test_inspect_of_layers_quantized_apart_shows_the_largest_and_smallest_expert(tmp_path,
+                                                                                  monkeypatch):
+    """It showed layer 0's size as every expert's."""
+    from mlx_moestream import testing
+    from mlx_moestream.testing import make_tiny_moe
+
+    quantize = testing.quantize_model
+
+    def layer_0_at_8_bits(model, config, group_size, bits):  # the others' experts at 2
+        def bits_of(path, module):
+            if "switch_mlp" not in path:
+                return True
+            return {"group_size": 32, "bits": 8 if ".layers.0." in path else 2}
+
+        return quantize(model, config, 32, 4, quant_predicate=bits_of)
+
+    monkeypatch.setattr(testing, "quantize_model", layer_0_at_8_bits)
+    path = make_tiny_moe(tmp_path / "mixed", "qwen3_moe", bits=4)
+    out = run("inspect", "--model", path)
+    assert out.returncode == 0, out.stderr
+    assert "largest expert: 7.5 KiB (7680 bytes)" in out.stdout
+    assert "smallest expert: 3.0 KiB (3072 bytes)" in out.stdout
+
+
 def test_inspect_prints_the_minimum_of_a_per_layer_split_and_it_loads(tiny_model):
     path = tiny_model("qwen3_moe")
     out = run("inspect", "--model", path, "--json")
