@@ -103,9 +103,9 @@ def _check_out(out: Path) -> None:
     """Write only where a repack wrote before, if anything is there: never over a
     manifest.json or experts.bin that is not a repacked copy's."""
     manifest = out / "manifest.json"
-    if os.path.lexists(manifest):
+    if out.is_dir():  # (else made later) a folder it cannot write in is refused here too
         check_replaceable(manifest, _read_schema, "a repack manifest", StoreError)
-    elif (out / "experts.bin").exists():
+    if not os.path.lexists(manifest) and (out / "experts.bin").exists():
         raise StoreError(f"refusing to replace {out / 'experts.bin'}: no repack manifest "
                          "beside it")
 

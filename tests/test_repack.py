@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -360,6 +361,21 @@ def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_cop
     assert out.exit_code == 128 + signal.SIGTERM
     assert out.output.splitlines()[-1] == "Error: terminated: nothing was written"
     assert not repack_dir(path).exists()
+
+
+def test_a_repack_into_an_empty_folder_it_cannot_write_is_refused_naming_it(model_copy,
+                                                                            monkeypatch):
+    """It failed at the write, naming its temporary file (os.access stands in for a folder
+    this process may not write: the tests may run as root)."""
+    from mlx_moestream import files
+
+    path = model_copy("qwen3_moe")
+    folder = repack_dir(path)
+    folder.mkdir()
+    access = os.access
+    monkeypatch.setattr(files.os, "access", lambda p, mode: Path(p) != folder and access(p, mode))
+    with pytest.raises(StoreError, match=re.escape(f"{folder} is not a writable folder")):
+        repack(path)
 
 
 def test_a_repack_the_disk_cannot_hold_names_the_file_it_could_not_write(model_copy):
