@@ -88,17 +88,23 @@ def repack_dir(model_dir: Path) -> Path:
     package = Path(__file__).resolve().parent
     if os.access(model_dir, os.W_OK) and package not in model_dir.parents:
         return model_dir / REPACK_DIR
+    return _cached_copy(model_dir)
+
+
+def _cached_copy(model_dir: Path) -> Path:
     key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "mlx-moestream" / "repacked" / f"{model_dir.name}-{key}"
 
 
 def find_repacked(model_dir: Path) -> Path:
-    """Where a load looks for a model's copy: where `repack` writes it, else, for a model
-    folder made read-only after a repack, the copy in MODEL/moestream-experts."""
+    """Where a load looks for a model's copy: where `repack` writes it, else where it wrote it
+    before the model folder was made read-only (MODEL/moestream-experts) or writable (the
+    user cache's)."""
     folder = repack_dir(model_dir)
-    beside = Path(model_dir).resolve() / REPACK_DIR
-    if not (folder / "manifest.json").exists() and (beside / "manifest.json").exists():
-        return beside
+    model_dir = Path(model_dir).resolve()
+    for other in (model_dir / REPACK_DIR, _cached_copy(model_dir)):
+        if not (folder / "manifest.json").exists() and (other / "manifest.json").exists():
+            return other
     return folder
 
 

@@ -363,6 +363,23 @@ def test_sigterm_during_cli_repack_ends_it_in_one_line_leaving_no_file(model_cop
     assert not repack_dir(path).exists()
 
 
+def test_a_copy_repacked_while_the_model_folder_was_read_only_is_used_once_it_is_writable(
+        model_copy, monkeypatch, tmp_path):
+    """The copy went to the user cache, and a load looked only beside the model from then on
+    (os.access stands in for a read-only folder: the tests may run as root)."""
+    from mlx_moestream import store as store_module
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = model_copy("qwen3_moe")
+    access = os.access
+    monkeypatch.setattr(store_module.os, "access",
+                        lambda p, mode: Path(p).resolve() != path.resolve() and access(p, mode))
+    folder = repack(path)
+    assert tmp_path / "home" in folder.parents
+    monkeypatch.setattr(store_module.os, "access", access)  # writable again
+    assert ExpertStore(path).files[-1] == folder / "experts.bin"
+
+
 def test_a_repack_into_an_empty_folder_it_cannot_write_is_refused_naming_it(model_copy,
                                                                             monkeypatch):
     """It failed at the write, naming its temporary file (os.access stands in for a folder
