@@ -566,8 +566,9 @@ class Runtime:
             with context as items:
                 loaded, nbytes = self._prewarm_reads(items)
             pins = [(l, e) for l, e in pins if self.layer_cache[l].slot_of[l, e] >= 0]
-            for layer, expert in pins:  # those that got a slot
-                self.layer_cache[layer].pin(layer, expert)
+            with CRITICAL:  # a pin cut short would leave its expert out of its policy, unpinned
+                for layer, expert in pins:  # those that got a slot
+                    self.layer_cache[layer].pin(layer, expert)
             self.prewarm_info = {"profile": profile.workload, "experts": loaded,
                                  "pinned": len(pins), "bytes": nbytes,
                                  "read_ms": (time.perf_counter() - start) * 1e3,

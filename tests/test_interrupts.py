@@ -137,6 +137,38 @@ def test_a_raising_handler_of_another_signal_inside_a_cache_step_runs_after_it(
     assert _equals_stock(model, reference(path))
 
 
+def test_a_raising_handler_inside_a_prewarm_s_pins_runs_after_them(tiny_model, reference,
+                                                                   monkeypatch):
+    """Raised once a pinned expert left its policy, before the cache marked it pinned: it was
+    resident to the cache, gone to the policy and not pinned, and every later call that
+    evicted raised KeyError (lru)."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="50%", policy="lru")
+    greedy_logits(model, decode_tokens=4)
+    profile = mlx_moestream.profile(model, "chat")
+    policy = model.moestream.caches[0].policies[0]
+    original, calls = policy.remove, itertools.count()
+
+    def signalling(key):
+        original(key)
+        if next(calls) == 0:
+            signal.raise_signal(signal.SIGALRM)
+
+    def timeout(*_):
+        raise _Timeout
+
+    monkeypatch.setattr(policy, "remove", signalling)
+    previous = signal.signal(signal.SIGALRM, timeout)
+    try:
+        with pytest.raises(_Timeout):
+            mlx_moestream.prewarm(model, profile, share=1.0, pin_share=0.3)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    monkeypatch.undo()
+    assert model.moestream.caches[0].pinned_total > 0
+    assert _equals_stock(model, reference(path))
+
+
 @pytest.mark.parametrize("fault", ["Ctrl-C under another SIGINT handler", "OSError"])
 def test_a_read_cut_short_by_any_exception_leaves_no_stale_slot(tiny_model, reference, monkeypatch,
                                                                  fault):
