@@ -362,6 +362,13 @@ class DeferredRouting:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.forwards: dict[threading.Thread, list[list[tuple[int, mx.array]]]] = {}
+        self.untraced: set[int] = set()  # (the ids of) forward calls begun before a trace
+
+    def begin_trace(self) -> None:
+        """A trace starts: the forward calls begun so far, still to count, are not its."""
+        with self.runtime.lock:
+            self.untraced = {id(calls) for forwards in self.forwards.values()
+                             for calls in forwards}
 
     def add(self, layer: int, indices: mx.array) -> None:
         forwards = self.forwards.setdefault(threading.current_thread(), [])
@@ -387,12 +394,19 @@ class DeferredRouting:
                 if cut < len(forwards):
                     self.forwards[thread] = forwards[cut:]
                 for calls in forwards[:cut]:
-                    for layer, indices in calls:
-                        try:
-                            ids = np.array(indices)
-                        except (ValueError, RuntimeError):  # never computed: left uncounted
-                            continue
-                        runtime.route(layer, ids, compute=False)
+                    recorder = runtime.recorder
+                    if id(calls) in self.untraced:
+                        self.untraced.discard(id(calls))
+                        runtime.recorder = None
+                    try:
+                        for layer, indices in calls:
+                            try:
+                                ids = np.array(indices)
+                            except (ValueError, RuntimeError):  # never computed: uncounted
+                                continue
+                            runtime.route(layer, ids, compute=False)
+                    finally:
+                        runtime.recorder = recorder
 
 
 class HostExperts(nn.Module):
@@ -557,7 +571,7 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
     if runtime.holds_all:
         runtime.read_all(progress)
         deferred = DeferredRouting(runtime)
-        runtime.count_deferred = deferred.count
+        runtime.count_deferred, runtime.begin_deferred_trace = deferred.count, deferred.begin_trace
     streamed = []
     in_flight = InFlight()
     runtime.settle = in_flight.wait

@@ -31,6 +31,7 @@ from .policies import DEFAULT_POLICY, make_policy
 from .prefetch import Prefetch, only_the_wait_failed
 from .profiles import Profile
 from .stats import Stats, ratio
+from .trace import TraceRecorder
 from .store import ExpertStore, Run, StoreError
 
 
@@ -123,15 +124,17 @@ class Runtime:
         # the most distinct experts one call of a layer must be able to hold at once
         self.call_experts = plan.num_experts if whole_calls else plan.top_k
         self.policy = policy
-        self.recorder = None  # a trace.TraceRecorder while recording routing
+        self.recorder: TraceRecorder | None = None  # while recording routing (`start_trace`)
         self.io_threads = io_threads
         self.io = _started_pool(io_threads)
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
         self.unfinished: list[tuple[int, list]] = []  # (layer, reads) a call left running
         self.closed = False  # see `close`
-        # a backend that counts routing after the fact (all experts resident) flushes it here
+        # a backend that counts routing after the fact (all experts resident) flushes it here,
+        # and leaves the calls made before a trace began out of it
         self.count_deferred: Callable[[], None] = lambda: None
+        self.begin_deferred_trace: Callable[[], None] = lambda: None
         # the statistics of calls routed since the latest `tally`, in order
         self.held: list[tuple[Callable, tuple]] = []
         # a backend whose compute may still read slots when a call returns waits for it here
@@ -346,6 +349,14 @@ class Runtime:
             for cache in self.caches:
                 cache.catch_up()
             make_held(self.held)
+
+    def start_trace(self) -> None:
+        """Record the routing of every following forward call: not of those made before and
+        counted late (another thread's latest, with every expert resident)."""
+        with self.lock:
+            self.count_all()
+            self.begin_deferred_trace()
+            self.recorder = TraceRecorder(self.plan.num_layers, self.plan.num_experts)
 
     def count_all(self) -> None:
         """Count everything routed so far (before statistics or a profile are read)."""
@@ -594,9 +605,9 @@ class Runtime:
                         self.stats.read_errors += 1
                     raise
                 self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
-                nbytes += read[0]
-            self.warm[layer] += 1
-            loaded += 1
+                self.warm[layer] += 1  # in the same step: a signal handler then raising at
+                nbytes += read[0]  # its end must not leave a read uncounted as warm
+                loaded += 1
         return loaded, nbytes
 
     def profile(self, workload: str) -> Profile:

@@ -9,7 +9,7 @@ from .profiles import Profile
 from .profiles import find as find_profile
 from .profiles import save_target as profile_target
 from .runtime import Runtime
-from .trace import Trace, TraceRecorder
+from .trace import Trace
 
 
 def as_profile(profile: str | Path | Profile) -> Profile:
@@ -48,9 +48,7 @@ def save_profile(model: Any, name: str | Path, workload: str | None = None) -> P
 
 def start_trace(model: Any) -> None:
     """Record the routing of every following forward call (see `save_trace`)."""
-    runtime = _single_host(model, "record a trace")
-    runtime.count_all()
-    runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
+    _single_host(model, "record a trace").start_trace()
 
 
 def save_trace(model: Any, path: str | Path) -> Trace:

@@ -1,6 +1,7 @@
 """Ctrl-C at any point of a generation leaves the model exact: later generations equal stock."""
 
 import _thread
+import contextlib
 import itertools
 import signal
 import threading
@@ -103,6 +104,20 @@ class _Timeout(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _raising_on(signum):
+    """A handler of `signum` that raises _Timeout, as a harness's timeout does; yields it."""
+
+    def timeout(*_):
+        raise _Timeout
+
+    previous = signal.signal(signum, timeout)
+    try:
+        yield timeout
+    finally:
+        signal.signal(signum, previous)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGALRM, signal.SIGTERM])
 def test_a_raising_handler_of_another_signal_inside_a_cache_step_runs_after_it(
         tiny_model, reference, monkeypatch, signum):
@@ -122,17 +137,11 @@ def test_a_raising_handler_of_another_signal_inside_a_cache_step_runs_after_it(
             signal.raise_signal(signum)
         return result
 
-    def timeout(*_):
-        raise _Timeout
-
     monkeypatch.setattr(policy, "_evict_least", signalling)
-    previous = signal.signal(signum, timeout)
-    try:
+    with _raising_on(signum) as timeout:
         with pytest.raises(_Timeout):
             greedy_logits(model, decode_tokens=8)
         assert signal.getsignal(signum) is timeout  # swapped back after the step
-    finally:
-        signal.signal(signum, previous)
     monkeypatch.undo()
     assert _equals_stock(model, reference(path))
 
@@ -154,19 +163,36 @@ def test_a_raising_handler_inside_a_prewarm_s_pins_runs_after_them(tiny_model, r
         if next(calls) == 0:
             signal.raise_signal(signal.SIGALRM)
 
-    def timeout(*_):
-        raise _Timeout
-
     monkeypatch.setattr(policy, "remove", signalling)
-    previous = signal.signal(signal.SIGALRM, timeout)
-    try:
-        with pytest.raises(_Timeout):
-            mlx_moestream.prewarm(model, profile, share=1.0, pin_share=0.3)
-    finally:
-        signal.signal(signal.SIGALRM, previous)
+    with _raising_on(signal.SIGALRM), pytest.raises(_Timeout):
+        mlx_moestream.prewarm(model, profile, share=1.0, pin_share=0.3)
     monkeypatch.undo()
     assert model.moestream.caches[0].pinned_total > 0
     assert _equals_stock(model, reference(path))
+
+
+def test_a_prewarm_cut_short_by_a_raising_handler_counts_every_expert_it_read_as_warm(
+        tiny_model, monkeypatch):
+    """Raised at the end of a read's step, the read counted as a load, not as warm."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="50%")
+    greedy_logits(model, decode_tokens=4)
+    profile = mlx_moestream.profile(model, "chat")
+    model, _ = mlx_moestream.load(path, budget="50%")  # nothing read: every load is the prewarm's
+    runtime = model.moestream
+    original, calls = runtime.read, itertools.count()
+
+    def signalling(*args):
+        result = original(*args)
+        if next(calls) == 2:
+            signal.raise_signal(signal.SIGALRM)
+        return result
+
+    monkeypatch.setattr(runtime, "read", signalling)
+    with _raising_on(signal.SIGALRM), pytest.raises(_Timeout):
+        mlx_moestream.prewarm(model, profile)
+    stats = mlx_moestream.stats(model)
+    assert stats["loads"] == 3 == sum(layer["warm"] for layer in stats["layers"])
 
 
 @pytest.mark.parametrize("fault", ["Ctrl-C under another SIGINT handler", "OSError"])

@@ -92,16 +92,22 @@ def test_stats_from_another_thread_lag_a_generation_by_at_most_two_tokens(tiny_m
     late (the latest may not be computed yet), so another thread's `stats()` misses at most the
     generating thread's last two decode tokens."""
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%")
-    stepped, go, done, lags = threading.Event(), threading.Event(), [0], []
+    lags = []
+    _decode_in_a_thread(model, 8, lambda step: lags.append(step + 1 - mlx_moestream.stats(
+        model)["tokens"]))
+    assert max(lags) <= 2
+
+
+def _decode_in_a_thread(model, steps: int, between) -> None:
+    """Greedy decode `steps` tokens on another thread, calling `between(step)` here after
+    each (the generating thread waits meanwhile)."""
+    stepped, go = threading.Event(), threading.Event()
 
     def generate():
-        from mlx_lm.models.cache import make_prompt_cache
-
         cache, token = make_prompt_cache(model), mx.array([[5]])
-        for _ in range(8):
+        for _ in range(steps):
             out = model(token, cache=cache)
             mx.eval(out)
-            done[0] += 1
             token = mx.argmax(out[:, -1:], axis=-1)
             stepped.set()
             go.wait()
@@ -109,13 +115,22 @@ def test_stats_from_another_thread_lag_a_generation_by_at_most_two_tokens(tiny_m
 
     thread = threading.Thread(target=generate)
     thread.start()
-    for _ in range(8):
+    for step in range(steps):
         stepped.wait()
         stepped.clear()
-        lags.append(done[0] - mlx_moestream.stats(model)["tokens"])
+        between(step)
         go.set()
     thread.join()
-    assert max(lags) <= 2
+
+
+@pytest.mark.parametrize("budget", ["30%", "100%"])
+def test_a_trace_started_from_another_thread_holds_only_the_calls_after_it(tiny_model,
+                                                                           tmp_path, budget):
+    """Every expert resident, the generating thread's latest calls are counted late: those
+    made before the trace started were recorded in it."""
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget=budget)
+    _decode_in_a_thread(model, 12, lambda step: step == 5 and mlx_moestream.start_trace(model))
+    assert mlx_moestream.save_trace(model, tmp_path / "t.npz").tokens == 6  # after the 6th
 
 
 def test_generation_goes_on_from_a_prompt_cache_another_thread_filled(tiny_model):
