@@ -434,9 +434,11 @@ class Runtime:
         try:
             for expert, slot in loads:
                 started.append((expert, self.io.submit(self.read, layer, expert, slot)))
-        except BaseException:
+        except BaseException as e:
             for expert, _ in loads[len(started) :]:
                 self.forget(layer, expert)
+            if self.closed and isinstance(e, RuntimeError):  # closed by another thread since
+                raise _closed() from None  # the call began: the pool refuses new reads
             raise
 
     def _finish(self, layer: int, reads: list[tuple[int, Future | Callable]]) -> None:
@@ -592,6 +594,8 @@ class Runtime:
         """Read each (layer, expert) that still gets a free slot; returns (experts, bytes)."""
         loaded = nbytes = 0
         for layer, expert in picks:
+            if self.closed:  # by another thread, meanwhile: the store must stay closed
+                raise _closed()
             cache = self.layer_cache[layer]
             with CRITICAL:
                 slot = cache.admit(layer, expert)
@@ -680,10 +684,13 @@ class Runtime:
         raise not_copyable()
 
     def close(self) -> None:
-        """Finish the reads in flight and close the files; the model cannot stream after."""
+        """Finish the reads in flight and close the files; the model cannot stream after. A
+        prewarm or layer call of another thread stops at its next read (`closed`), and its
+        step ends before the files close: none of its reads opens them again."""
         self.closed = True
-        self.io.shutdown(wait=True)
-        self.store.close()
+        with self.lock:
+            self.io.shutdown(wait=True)
+            self.store.close()
 
 
 def _follow_forks(runtime: Runtime) -> None:

@@ -4,6 +4,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -131,6 +132,39 @@ def test_a_trace_started_from_another_thread_holds_only_the_calls_after_it(tiny_
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget=budget)
     _decode_in_a_thread(model, 12, lambda step: step == 5 and mlx_moestream.start_trace(model))
     assert mlx_moestream.save_trace(model, tmp_path / "t.npz").tokens == 6  # after the 6th
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="Linux's /proc")
+def test_close_stops_a_prewarm_of_another_thread_and_its_files_stay_closed(model_copy):
+    """The prewarm read on, reopening the closed model's files, and reported success."""
+    path = model_copy("qwen3_moe")  # files no other test's model holds open
+    model, _ = mlx_moestream.load(path, budget="50%")
+    greedy_logits(model, decode_tokens=4)
+    profile = mlx_moestream.profile(model, "chat")
+    model.moestream.close()
+    model, _ = mlx_moestream.load(path, budget="90%")
+    runtime, read, outcome = model.moestream, model.moestream.store.read_expert, []
+
+    def slow_read(*args):  # a slow disk
+        time.sleep(0.05)
+        return read(*args)
+
+    def prewarm():
+        try:
+            outcome.append(mlx_moestream.prewarm(model, profile))
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    runtime.store.read_expert = slow_read
+    thread = threading.Thread(target=prewarm)
+    thread.start()
+    time.sleep(0.2)
+    runtime.close()
+    thread.join()
+    assert outcome == ["this model was closed (moestream.close()): load it again to stream its "
+                       "experts"]
+    open_files = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert str(path / "model.safetensors") not in open_files
 
 
 def test_generation_goes_on_from_a_prompt_cache_another_thread_filled(tiny_model):
