@@ -455,18 +455,15 @@ class HostExperts(nn.Module):
         of positions (the prints' shape), then each position's print."""
         positions = x.size // x.shape[-1]
         counts = self._gathered(mx.array([positions], mx.int32))[:, 0]
-        prints = self._gathered(_input_prints(x)) if (counts == positions).all() else None
-        for host in range(1, len(counts)):
-            if prints is None:
-                differs = counts[host] != counts[0]
-            else:
-                scale = np.maximum(prints[host, :, -1], prints[0, :, -1])[:, None]
-                differs = (np.abs(prints[host, :, :-1] - prints[0, :, :-1])
-                           > INPUT_TOLERANCE * scale).any()
-            if differs:
-                raise ValueError(f"host {host} was given other input tokens than host 0: every "
-                                 "host must make the same calls with the same inputs (and "
-                                 "sample alike: do not seed hosts apart)")
+        apart = counts != counts[0]  # every host sees the same counts, and takes the same way
+        if not apart.any():
+            prints = self._gathered(_input_prints(x))  # [hosts, positions, 4 + norm]
+            scale = np.maximum(prints[:, :, -1:], prints[:1, :, -1:]) * INPUT_TOLERANCE
+            apart = (np.abs(prints[:, :, :-1] - prints[:1, :, :-1]) > scale).any(axis=(1, 2))
+        if apart.any():
+            raise ValueError(f"host {int(apart.argmax())} was given other input tokens than "
+                             "host 0: every host must make the same calls with the same inputs "
+                             "(and sample alike: do not seed hosts apart)")
 
     def _gathered(self, value: mx.array) -> np.ndarray:
         """Every host's `value` (of one shape on every host), in host order: each sums its

@@ -297,7 +297,8 @@ class Runtime:
         given = ids.reshape(-1)
         routed, flat = self._unmasked(layer, given)
         order = np.argsort(flat, kind="stable")
-        if len(routed) < len(flat):  # masked ids (pointing at a routed expert) count nothing
+        valid = None  # masked ids (pointing at a routed expert) count nothing
+        if len(routed) < len(flat):
             valid = (given >= 0) & (given < self.plan.layers[layer].num_experts)
         sorted_ids = flat[order]
         experts = np.unique(sorted_ids)
@@ -306,7 +307,7 @@ class Runtime:
             chunk = experts[start : start + capacity]
             end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
             positions = order[done:end]
-            counted = positions if len(routed) == len(flat) else positions[valid[positions]]
+            counted = positions if valid is None else positions[valid[positions]]
             with CRITICAL:  # a read error ends the call: its later rounds count nothing
                 self.held.append((self.stats.route, (layer, flat[counted].tolist())))
                 slots = self._request(layer, chunk.tolist(), flat[positions])

@@ -102,9 +102,9 @@ def find_repacked(model_dir: Path) -> Path:
     user cache's)."""
     folder = repack_dir(model_dir)
     model_dir = Path(model_dir).resolve()
-    for other in (model_dir / REPACK_DIR, _cached_copy(model_dir)):
-        if not (folder / "manifest.json").exists() and (other / "manifest.json").exists():
-            return other
+    for found in (folder, model_dir / REPACK_DIR, _cached_copy(model_dir)):
+        if (found / "manifest.json").exists():
+            return found
     return folder
 
 

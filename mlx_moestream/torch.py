@@ -86,13 +86,10 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         available_memory_bytes()
     lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation, rows)
     try:  # before any expert is read
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        check_tokenizer(path, tokenizer)
-    except (OSError, ValueError) as e:
+        tokenizer = _tokenizer(path)
+    except ModelError:
         store.close()
-        if isinstance(e, ModelError):
-            raise
-        raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
+        raise
     if profile is not None:
         profile.check_model(plan.identity)
     # generate()'s defaults (eos ids, sampling) from generation_config.json, as from_pretrained
@@ -128,6 +125,15 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     if profile is not None:
         runtime.prewarm(profile, prewarm_share, pin_share, progress)
     return lm, tokenizer
+
+
+def _tokenizer(path: Path):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: transformers cannot load its tokenizer: {e}") from None
+    check_tokenizer(path, tokenizer)
+    return tokenizer
 
 
 def _refuse_saving(*args, **kwargs) -> None:

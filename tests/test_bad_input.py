@@ -12,6 +12,23 @@ from mlx_moestream.hub import ModelError
 from mlx_moestream.store import ExpertStore, StoreError
 
 
+def fail_reads_at(monkeypatch, runtime, layer: int, experts) -> None:
+    """An I/O error (EIO) on the disk at every read of these experts of `layer` (at their first
+    tensor's offset)."""
+    import errno
+    import os
+
+    failing = {int(runtime.store.layers[layer][0].offsets[e]) for e in experts}
+    preadv = os.preadv
+
+    def failing_preadv(fd, bufs, offset):
+        if offset in failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", failing_preadv)
+
+
 def test_truncated_shard_names_the_file_and_tensor(model_copy):
     path = model_copy()
     shard = path / "model.safetensors"
@@ -308,23 +325,12 @@ def test_read_error_names_file_and_expert_and_the_session_continues(model_copy, 
 
 def test_every_failed_read_of_a_call_counts_as_a_read_error(model_copy, monkeypatch):
     """As a prefetch's failed reads count: a call whose two reads failed counted one."""
-    import errno
-    import os
 
     import mlx.core as mx
 
     path = model_copy()
     model, _ = mlx_moestream.load(path, budget="50%")
-    runtime = model.moestream
-    failing = {int(runtime.store.layers[1][0].offsets[e]) for e in (0, 1)}
-    preadv = os.preadv
-
-    def failing_at_experts_0_and_1(fd, bufs, offset):
-        if offset in failing:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return preadv(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", failing_at_experts_0_and_1)
+    fail_reads_at(monkeypatch, model.moestream, 1, (0, 1))
     experts = model.model.layers[1].mlp.switch_mlp
     with pytest.raises(StoreError, match="layer 1 expert 0"):
         mx.eval(experts(mx.ones((1, 1, 64)), mx.array([[[0, 1]]])))
@@ -335,8 +341,6 @@ def test_a_read_failing_in_a_call_computed_in_rounds_counts_only_the_rounds_that
         model_copy, monkeypatch):
     """Routing counted the whole call while hits and misses counted the rounds that ran: a
     profile saved then held experts the session never served."""
-    import errno
-    import os
 
     import mlx.core as mx
 
@@ -345,16 +349,7 @@ def test_a_read_failing_in_a_call_computed_in_rounds_counts_only_the_rounds_that
 
     path = model_copy()
     model, _ = mlx_moestream.load(path, budget=load_lazy(path)[-1].min_budget_bytes)
-    runtime = model.moestream
-    expert_4 = int(runtime.store.layers[0][0].offsets[4])  # in the third round of two experts
-    preadv = os.preadv
-
-    def failing_at_expert_4(fd, bufs, offset):
-        if offset == expert_4:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return preadv(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", failing_at_expert_4)
+    fail_reads_at(monkeypatch, model.moestream, 0, (4,))  # in the third round of two experts
     with pytest.raises(StoreError, match="layer 0 expert 4"):
         mx.eval(model(mx.array(PROMPT_IDS)))
     layer = mlx_moestream.stats(model)["layers"][0]
@@ -410,8 +405,6 @@ def test_a_shard_rewritten_in_place_with_its_modification_time_set_back_fails_re
 
 def test_a_read_failing_in_a_prompt_fails_it_once_every_read_has_ended_and_the_next_is_exact(
         model_copy, monkeypatch):
-    import errno
-    import os
 
     import mlx.core as mx
     import mlx_lm
@@ -421,15 +414,7 @@ def test_a_read_failing_in_a_prompt_fails_it_once_every_read_has_ended_and_the_n
     path = model_copy()
     model, _ = mlx_moestream.load(path, budget="50%")
     runtime = model.moestream
-    expert_0 = int(runtime.store.layers[1][0].offsets[0])
-    preadv = os.preadv
-
-    def failing_at_expert_0(fd, bufs, offset):  # the first of a prompt's many reads of layer 1
-        if offset == expert_0:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return preadv(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", failing_at_expert_0)
+    fail_reads_at(monkeypatch, runtime, 1, (0,))  # the first of a prompt's many reads of layer 1
     prompt = mx.array(PROMPT_IDS)
     with pytest.raises(StoreError, match=r"cannot read '.*' of layer 1 expert 0 at byte \d+"):
         mx.eval(model(prompt))
