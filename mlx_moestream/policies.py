@@ -3,7 +3,8 @@
 `ExpertCache` owns residency (slots, counts, partitions) and asks a policy only to rank. A key is
 `layer * num_experts + expert`; every policy is built as `Policy(capacity, num_keys)`, where
 `num_keys` bounds the keys (all layers' experts) so state can live in numpy arrays indexed by key.
-Plain Python and numpy (no mlx): the live runtime, trace replay and any other backend share them.
+Plain Python and numpy (no mlx), the default's core compiled (`_cyclic.pyx`): the live runtime,
+trace replay and any other backend share them.
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ from __future__ import annotations
 import inspect
 import math
 from collections import OrderedDict
-from heapq import heapify, heappop, heappush, heapreplace
 
 import numpy as np
+
+try:
+    from mlx_moestream._cyclic import CyclicCore, all_in_use as _all_in_use
+except ImportError as error:  # a checkout used as it is
+    raise ImportError("mlx_moestream's compiled part (_cyclic.pyx) is not built: run "
+                      "`pip install -e .` in the checkout") from error
 
 DEFAULT_POLICY = "cyclic"
 
@@ -296,11 +302,10 @@ class WindowLFU(Policy):
         self._forget_order()
 
 
-_INF = float("inf")  # a plain float: compared one at a time, faster than np.inf
 _RANK_SIZE = 256  # candidates sorted at once: more than a token evicts at common shapes
 
 
-class LayerCyclic(Policy):
+class LayerCyclic(CyclicCore, Policy):
     """Evicts the expert that promises the fewest uses per slot held until its layer's next call.
 
     Every token calls the MoE layers in order, so an expert of layer j cannot be used again
@@ -324,300 +329,27 @@ class LayerCyclic(Policy):
     that surfaces below its key's count is raised then, and one whose key came back to the
     latest call or left is dropped then, so a key that comes and goes costs no heap work in
     between. Each layer is ranked by a value at most its least, noted when it changes; victims
-    are taken from the best layer in one pass, while they beat the next best layer.
+    are taken from the best layer in one pass, while they beat the next best layer. The state
+    and the calls are compiled (`_cyclic.CyclicCore`): this runs on every MoE layer call.
     """
 
     layered = True  # takes `num_experts`: a key's layer is `key // num_experts`
 
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
                  half_life: int = 32, freq_share: float = 0.5):
-        super().__init__(capacity, num_keys)
         if half_life < 1:
             raise ValueError(f"half_life must be at least 1 token, got {half_life}")
         if not 0.0 <= freq_share < 1.0:
             raise ValueError(f"freq_share must be in [0, 1), got {freq_share}")
-        self.experts = num_experts or num_keys
-        self.layers = layers = -(-num_keys // self.experts)
-        at = np.arange(layers)
-        # calls from the current one (row: its layer) until each layer's next call, 1..layers
-        self.distances = list(((at[None, :] - at[:, None] - 1) % layers + 1).astype(np.float64))
-        self.position = 0  # layer of the current call: the one after the latest accessed
-        self.half_life = half_life
+        self.capacity = capacity
         # a use every token for long adds up to a count of `1 / per_token` (times `weight`)
         per_token = 1.0 - 0.5 ** (1.0 / half_life) or math.log(2) / half_life  # 0 past 2**53
-        self.group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
-        # per key, in lists: read and written one key at a time, at a quarter of numpy's cost
-        self.count = [0.0] * num_keys  # decayed uses, times `weight`
-        self.state = [0] * num_keys  # 0: not resident, 1: prefetched, unused, 2: used
-        self.in_heap = [False] * num_keys  # whether the key has an entry in its layer's heap
-        self.weight = 1.0  # what one use adds now
-        self.rescaled = 0.0  # halvings already applied to `count`
-        self.tokens = 0
-        self.unused: list[int] = []  # prefetched keys, in order
-        # per layer: the keys of its latest call (in call order, and least count first once
-        # sorted), the least count among them, and a heap of (count, key) holding (at most)
-        # every other used key
-        self.latest: list[list[int]] = [[] for _ in range(layers)]
-        # a key is of its layer's latest call when its stamp is that call's (calls made then):
-        # a look-up, where a set per call cost a tenth of the policy's time
-        self.stamp = [-1] * num_keys
-        self.call_stamp = [-2] * layers
-        self.calls_made = 0
-        self.ranked: list[list[int] | None] = [None] * layers
-        self.least_latest = [_INF] * layers
-        self.old: list[list[tuple[float, int]]] = [[] for _ in range(layers)]
-        # uses and chances (keys at a call of their layer) of the latest and the other keys
-        self.uses = [1.0, 1.0]
-        self.chances = [2.0, 2.0]
-        self.calls = self.reused = self.used = self.offered = 0  # since the latest `_fold`
-        self.value = np.full(layers, _INF)  # per layer, at most its least value when not current
-        self._value = memoryview(self.value)  # the same memory, written one layer at a time
-        self.score = np.empty(layers)  # `victims`' scratch
-        self._rates()
-
-    def _rates(self) -> None:
-        """Each group's use rate as counts (for the blend of `p`), and every layer's value."""
-        scale = self.group_weight * self.weight
-        self.bonus_latest = scale * (self.uses[0] / self.chances[0])
-        self.bonus_old = scale * (self.uses[1] / self.chances[1])
-        tops = [heap[0][0] if heap else _INF for heap in self.old]
-        np.minimum(np.add(self.least_latest, self.bonus_latest), np.add(tops, self.bonus_old),
-                   out=self.value)
-
-    def _note(self, layer: int) -> None:
-        """Note a layer's value: a count plus its group's rate as a count."""
-        heap = self.old[layer]
-        self._value[layer] = min(self.least_latest[layer] + self.bonus_latest,
-                                 (heap[0][0] if heap else _INF) + self.bonus_old)
-
-    def access(self, keys: list[int], new: list[int] = ()) -> None:
-        layer = keys[0] // self.experts
-        self.calls_made = call = self.calls_made + 1
-        count, weight, least, state, stamp = self.count, self.weight, _INF, self.state, self.stamp
-        for key in keys:
-            c = count[key] = count[key] + weight
-            stamp[key] = call
-            if c < least:
-                least = c
-        previous = self.latest[layer]
-        reused = 0
-        in_heap, heap = self.in_heap, self.old[layer]
-        for key in previous:  # those gone and resident join the layer's heap, unless there
-            if stamp[key] == call:
-                reused += 1
-            elif not in_heap[key] and state[key] == 2:
-                heappush(heap, (count[key], key))
-                in_heap[key] = True
-        # tallied per token; `tick` weighs them (the uses and chances of both groups)
-        self.calls += 1
-        self.reused += reused
-        self.used += len(keys)
-        self.offered += len(previous)
-        for key in new:
-            state[key] = 2
-        if self.unused:  # it may use prefetched keys (else every hit is a used key already)
-            for key in keys:
-                state[key] = 2
-        self.latest[layer], self.call_stamp[layer], self.ranked[layer] = keys, call, None
-        self.least_latest[layer] = least
-        self.position = layer + 1 if layer + 1 < self.layers else 0
-        self._value[layer] = min(least + self.bonus_latest,  # `_note`, inlined: per call
-                                 (heap[0][0] if heap else _INF) + self.bonus_old)
-
-    def warm(self, keys: list[int]) -> None:
-        for key in keys:
-            self.state[key] = 2
-            layer = key // self.experts
-            if self.stamp[key] == self.call_stamp[layer]:  # it ranks as latest again
-                self._latest_changed(layer)
-            elif not self.in_heap[key]:
-                heappush(self.old[layer], (self.count[key], key))
-                self.in_heap[key] = True
-            self._note(layer)
-
-    def insert(self, keys: list[int]) -> None:
-        for key in keys:
-            self.state[key] = 1
-        self.unused += keys
-
-    def remove(self, key: int) -> None:
-        self.state[key] = 0  # a heap entry goes when it surfaces; the values noted still hold
-        layer = key // self.experts
-        if self.stamp[key] == self.call_stamp[layer]:
-            self._latest_changed(layer)
-
-    def victims(self, n: int, protected: set[int]) -> list[int]:
-        chosen = self._unused_victims(n, protected) if self.unused else []
-        if len(chosen) < n:
-            position = self.position
-            distance = self.distances[position]
-            score = np.divide(distance, self.value, out=self.score)  # at most each layer's best
-            heap = self.old[position]  # its latest keys that its call does not use just missed:
-            least = self.least_latest[position]  # all count as old
-            if heap and heap[0][0] < least:
-                least = heap[0][0]
-            # the current layer is tried first: it is usually the best (farthest from its call)
-            layer, own = position, _score(self.layers, least + self.bonus_old)
-            score[layer] = -1.0
-            rival = int(score.argmax())  # the next best layer
-            bar = score.item(rival)
-            while True:
-                if own < bar or (own == bar and rival < layer):  # the rival is the best
-                    score[layer] = own
-                    layer, own = rival, bar
-                    score[layer] = -1.0
-                    rival = int(score.argmax())  # no better than the layer it follows
-                    bar = score.item(rival)
-                if own <= 0:
-                    raise _all_in_use()
-                d = distance.item(layer)
-                left = self._evict_least(layer, n - len(chosen), protected, d, bar, layer < rival,
-                                         chosen)
-                if len(chosen) == n:
-                    return chosen
-                own = _score(d, left)  # fell to the rival's score (or lost its tie)
-        return chosen
-
-    def _unused_victims(self, n: int, protected: set[int]) -> list[int]:
-        """Up to `n` prefetched keys that no call has used, in the order they came."""
-        chosen, state, keep = [], self.state, []
-        for key in self.unused:
-            if state[key] != 1:
-                continue  # used or gone since
-            if len(chosen) < n and key not in protected:
-                state[key] = 0
-                chosen.append(key)
-            else:
-                keep.append(key)
-        self.unused = keep
-        return chosen
-
-    def _evict_least(self, layer: int, limit: int, protected: set[int], distance: float,
-                     bar: float, wins_ties: bool, chosen: list[int]) -> float:
-        """Evict the layer's keys of least value, at most `limit` (into `chosen`), while their
-        score `distance / value` beats `bar` (or equals it, if `wins_ties`); return at most the
-        least value left (inf: none). Its latest keys and its heap are merged, a latest key
-        first among equals. The heap is settled only when it may hold a lesser value: entries
-        of keys that left or are latest again go, those of `protected` keys go aside, and an
-        entry below its key's count (used since) is raised to it."""
-        state, count, bonus_old, in_heap = self.state, self.count, self.bonus_old, self.in_heap
-        current = layer == self.position
-        bonus = bonus_old if current else self.bonus_latest  # see `victims`
-        ranked = self._ranked(layer)
-        at, end = 0, len(ranked)
-        heap, aside, stamp, latest = self.old[layer], [], self.stamp, self.call_stamp[layer]
-        old_value = heap[0][0] + bonus_old if heap else _INF  # at most the heap's least
-        settled = False  # whether `old_value` is the heap's least evictable key's value
-        evicted_latest = False
-        value = _INF
-        while limit:
-            while at < end and (state[ranked[at]] != 2 or ranked[at] in protected):
-                at += 1
-            latest_value = count[ranked[at]] + bonus if at < end else _INF
-            if old_value < latest_value and not settled:
-                while heap:
-                    c, key = heap[0]
-                    if state[key] != 2 or stamp[key] == latest:
-                        heappop(heap)
-                        in_heap[key] = False
-                    elif key in protected:
-                        aside.append(heappop(heap))
-                    elif count[key] != c:
-                        heapreplace(heap, (count[key], key))
-                    else:
-                        break
-                old_value = heap[0][0] + bonus_old if heap else _INF
-                settled = True
-            from_latest = latest_value <= old_value
-            value = latest_value if from_latest else old_value
-            if value == _INF:
-                break
-            score = distance / value if value else _INF  # `_score`, inlined: per key
-            if score < bar or (score == bar and not wins_ties):
-                break
-            if from_latest:
-                key = ranked[at]
-                at += 1
-                evicted_latest = True
-            else:
-                key = heappop(heap)[1]  # the next one is no less
-                in_heap[key] = False
-                settled = False
-            state[key] = 0
-            chosen.append(key)
-            limit -= 1
-        for entry in aside:
-            heappush(heap, entry)
-        if not current:  # else its call comes next and notes it; until then what is noted holds
-            if evicted_latest:
-                self._latest_changed(layer)
-            self._note(layer)
-        return value
-
-    def _ranked(self, layer: int) -> list[int]:
-        """The layer's latest keys, least count first (in call order among equals)."""
-        ranked = self.ranked[layer]
-        if ranked is None:
-            ranked = self.ranked[layer] = sorted(self.latest[layer], key=self.count.__getitem__)
-        return ranked
-
-    def _latest_changed(self, layer: int) -> None:
-        """A key of the layer's latest call left or came back: find its least count again."""
-        state = self.state
-        for key in self._ranked(layer):
-            if state[key] == 2:
-                self.least_latest[layer] = self.count[key]
-                return
-        self.least_latest[layer] = _INF
-
-    def tick(self, tokens: int) -> None:
-        self._fold()
-        self.tokens += tokens
-        halvings = self.tokens / self.half_life - self.rescaled
-        if halvings > 64:  # rescale long before the weight overflows; the order is unchanged
-            self._rescale(0.5**halvings)
-            self.rescaled += halvings
-            halvings = 0.0
-        self.weight = 2.0**halvings
-        self._rates()
+        group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
+        super().__init__(num_keys, num_experts or num_keys, half_life, group_weight)
 
     def seed(self, counts: dict[int, float]) -> None:
-        count = np.array(self.count)
-        _add_counts(count, counts, self.weight)
-        self.count = count.tolist()
+        _add_counts(self.count, counts, self.weight)
         self._rescale(1.0)
-
-    def _fold(self) -> None:
-        """Add the calls tallied since the latest fold to the uses and chances, at the weight
-        of their token."""
-        weight, uses, chances = self.weight, self.uses, self.chances
-        uses[0] += self.reused * weight
-        uses[1] += (self.used - self.reused) * weight
-        chances[0] += self.offered * weight
-        chances[1] += (self.experts * self.calls - self.offered) * weight
-        self.calls = self.reused = self.used = self.offered = 0
-
-    def _rescale(self, factor: float) -> None:
-        """Multiply every count by `factor` and rebuild what holds counts."""
-        self._fold()
-        self.count = count = [c * factor for c in self.count]
-        self.uses = [u * factor for u in self.uses]
-        self.chances = [c * factor for c in self.chances]
-        if not min(self.chances) > 0:  # a tick of over a thousand half-lives: start afresh
-            self.uses, self.chances = [1.0, 1.0], [2.0, 2.0]
-        state, in_heap = self.state, self.in_heap
-        for layer, heap in enumerate(self.old):
-            latest = self.call_stamp[layer]
-            for _, key in heap:
-                in_heap[key] = False
-            keys = [key for _, key in heap if state[key] == 2 and self.stamp[key] != latest]
-            heap[:] = [(count[key], key) for key in keys]
-            heapify(heap)
-            for key in keys:
-                in_heap[key] = True
-            self.ranked[layer] = None  # scaled counts may tie
-            self._latest_changed(layer)
-        self._rates()
 
 
 class SLRU(Policy):
@@ -869,12 +601,3 @@ def _add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0
         raise ValueError("seed counts must be finite and non-negative")
     np.add.at(count, keys, values * weight)
 
-
-def _score(distance: float, value: float) -> float:
-    """Layer calls a slot is held per use it buys: a value of 0 (seeded, decayed to nothing)
-    buys none."""
-    return distance / value if value else _INF
-
-
-def _all_in_use() -> RuntimeError:
-    return RuntimeError("every resident expert is in use by the current call")

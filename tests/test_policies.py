@@ -442,6 +442,18 @@ def test_cyclic_keeps_its_rule_through_prefetches_failed_loads_and_unsorted_call
     assert set(fast.victims(len(resident), set())) == resident  # it lost track of none
 
 
+@pytest.mark.parametrize("call", [[0, 16], [-1], [32]])
+def test_cyclic_refuses_a_call_outside_its_keys_or_across_layers(call):
+    """Its compiled state is indexed by key: a key of no slot there is an error, not a write
+    past the end, and the refused call changes nothing."""
+    policy = make_policy("cyclic", 8, 32, num_experts=16)
+    with pytest.raises((IndexError, ValueError), match="key|layer"):
+        policy.access(call, call)
+    assert not policy.count.any()
+    policy.access([1, 2], [1, 2])  # and it works on
+    assert policy.victims(2, set()) == [1, 2]
+
+
 def test_cyclic_below_one_token_of_experts_keeps_what_the_next_layers_use():
     """Three layers, one expert each per token, two slots: LRU evicts each expert before its
     layer comes round again; cyclic gives up the layer just served, as the optimum does."""

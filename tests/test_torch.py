@@ -507,7 +507,7 @@ def test_the_readme_torch_commands_run_as_written(tmp_path):
     """The README's torch block past its installs (which this environment has done), then its
     Python example, in one folder."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    command = re.search(r'pip install -q "\.\[torch\]" && (python -c .*)\n', readme).group(1)
+    command = re.search(r'pip install -q -e "\.\[torch\]" && (python -c .*)\n', readme).group(1)
     done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
