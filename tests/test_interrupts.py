@@ -129,15 +129,15 @@ def test_a_raising_handler_of_another_signal_inside_a_cache_step_runs_after_it(
     model, _ = mlx_moestream.load(path, budget="25%")
     runtime = model.moestream
     policy = runtime.caches[0].policies[0]
-    original, calls = policy._evict_least, itertools.count()
+    original, calls = policy.victims, itertools.count()
 
     def signalling(*args):
         result = original(*args)
-        if next(calls) == 8:
+        if next(calls) == 4:
             signal.raise_signal(signum)
         return result
 
-    monkeypatch.setattr(policy, "_evict_least", signalling)
+    monkeypatch.setattr(policy, "victims", signalling)
     with _raising_on(signum) as timeout:
         with pytest.raises(_Timeout):
             greedy_logits(model, decode_tokens=8)
