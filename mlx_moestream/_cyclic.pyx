@@ -60,6 +60,8 @@ cdef class CyclicCore:
     cdef double chances[2]
 
     def __init__(self, num_keys: int, experts: int, half_life: int, group_weight: float):
+        if num_keys < 1 or experts < 1:
+            raise ValueError(f"a policy needs keys and experts, got {num_keys} and {experts}")
         layers = -(-num_keys // experts)
         self.num_keys, self.experts, self.layers = num_keys, experts, layers
         self.half_life, self.group_weight = half_life, group_weight
