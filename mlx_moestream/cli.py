@@ -68,25 +68,40 @@ class _Commands(click.Group):
     """The commands, an error writing their output one line too: click ends quietly on a
     closed pipe (EPIPE) and lets any other OSError out as a traceback (a full disk under
     `> file`, /dev/full). The commands' own OSErrors are theirs to say (`_fail`). Ctrl-C ends
-    a command with status 130, as a shell reports a command it stopped (click's "Aborted!"
-    exits 1, which a script takes for an error of the command's own)."""
+    a command as `_Interrupted` says (click's "Aborted!" exits 1, which a script takes for an
+    error of the command's own)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
             _tell("\n[interrupted]", err=True)
-            sys.exit(128 + signal.SIGINT)
+            raise _Interrupted from None
 
     def main(self, *args, **kwargs):
         _open_standard_streams()
         try:
             return super().main(*args, **kwargs)
+        except _Interrupted:
+            sys.excepthook = _quiet_interrupt
+            raise KeyboardInterrupt from None
         except OSError as e:  # a file's error names it; the output's names none
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # none at exit
             where = e.filename or "cannot write the output"
             _tell(f"Error: {where}: {e.strerror or e}", err=True)
             sys.exit(1)
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C stopped a command, which said so. It leaves `main` as a KeyboardInterrupt that
+    shows no traceback, so that Python, once it has finalized, ends the process by SIGINT, as
+    a shell expects of a command Ctrl-C stopped: a loop in a script stops there, where status
+    130 would run its next round."""
+
+
+def _quiet_interrupt(kind, value, traceback) -> None:
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, traceback)
 
 
 def _open_standard_streams() -> None:
@@ -255,8 +270,10 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         _fail(failed)
     if unsaved:  # said above
         sys.exit(1)
-    if stopped_by:  # as a shell reports a command a signal stopped: a script running
-        sys.exit(128 + stopped_by)  # `chat --prompt` must not take a cut answer for a whole one
+    if stopped_by == signal.SIGINT:  # a script running `chat --prompt` must not take a cut
+        raise _Interrupted  # answer for a whole one
+    if stopped_by:  # as a shell reports a command a signal stopped
+        sys.exit(128 + stopped_by)
 
 
 def _mlx_reply(lm, tokenizer, max_tokens: int, temp: float, history: list[dict]):

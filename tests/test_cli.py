@@ -2,7 +2,9 @@
 
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -236,8 +238,6 @@ def test_a_chat_answer_interrupted_by_ctrl_c_leaves_no_message_in_the_history(ti
     """The next prompt is the new message alone, as in a fresh chat: an unanswered message
     left behind would put two user turns in a row, which many chat templates refuse."""
     import re
-    import signal
-
     # long enough to be streaming when Ctrl-C comes; the next answer runs as long
     proc = subprocess.Popen([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "400"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -256,17 +256,16 @@ def test_a_chat_answer_interrupted_by_ctrl_c_leaves_no_message_in_the_history(ti
     assert prompt_tokens.findall(out) == prompt_tokens.findall(fresh.stdout)
 
 
-def test_a_prompt_answer_cut_short_by_ctrl_c_exits_130(tiny_model):
-    """A script running `chat --prompt` must not take a cut answer for a whole one."""
-    import signal
-
+def test_a_prompt_answer_cut_short_by_ctrl_c_ends_by_sigint(tiny_model):
+    """A script running `chat --prompt` must not take a cut answer for a whole one: the
+    process ends as one Ctrl-C stopped (a shell reports 130)."""
     proc = subprocess.Popen([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "2000",
                              "--prompt", "hello"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.read(20)  # the answer streams
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    assert proc.returncode == -signal.SIGINT, err
     assert "[interrupted]" in out and "Traceback" not in err
 
 
@@ -291,13 +290,28 @@ def test_chat_with_its_standard_input_closed_answers(tiny_model):
     assert "4 generated" in out.stdout
 
 
-def test_ctrl_c_while_the_model_loads_exits_130(tiny_model):
+def test_ctrl_c_while_the_model_loads_ends_by_sigint(tiny_model):
     code = ("import os; from mlx_moestream import cli; "
             "os.preadv = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()); cli.main()")
     out = subprocess.run([sys.executable, "-c", code, "chat", "-m", str(tiny_model("qwen3_moe")),
                           "--prompt", "hello"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 130, out.stderr
+    assert out.returncode == -signal.SIGINT, out.stderr
     assert out.stderr.endswith("\n[interrupted]\n") and "Aborted" not in out.stderr
+
+
+def test_a_shell_loop_stops_at_a_command_ctrl_c_stopped(tiny_model):
+    """Ctrl-C at a terminal reaches the shell and the command. bash waits for the command and
+    stops its loop when the command died of SIGINT; one that exited, 130 included, handled the
+    signal as its own business, and the loop runs its next round."""
+    command = shlex.join([*CLI, "chat", "-m", str(tiny_model("qwen3_moe")), "-n", "400",
+                          "--prompt", "hello"])
+    proc = subprocess.Popen(["bash", "-c", f"for i in 1 2; do {command}; echo round $i; done"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group: the terminal's, here
+    assert proc.stdout.read(20)  # the answer streams
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert "[interrupted]" in out and "round" not in out, out + err
 
 
 @pytest.mark.parametrize("name, message", [
