@@ -53,6 +53,7 @@ cdef class CyclicCore:
     cdef Py_ssize_t* heap_len
     cdef double* aside_count  # `_evict_least`'s scratch
     cdef Py_ssize_t* aside_key
+    cdef Py_ssize_t* call_keys  # `access`'s keys, checked
     cdef Py_ssize_t position
     cdef long long calls_made, tokens, calls, reused, used, offered
     cdef double half_life, rescaled, group_weight, bonus_latest, bonus_old
@@ -63,9 +64,7 @@ cdef class CyclicCore:
         if num_keys < 1 or experts < 1:
             raise ValueError(f"a policy needs keys and experts, got {num_keys} and {experts}")
         layers = -(-num_keys // experts)
-        self.num_keys, self.experts, self.layers = num_keys, experts, layers
-        self.half_life, self.group_weight = half_life, group_weight
-        self.count = np.zeros(num_keys)
+        count = np.zeros(num_keys)
         arrays = dict(
             state=np.zeros(num_keys, np.int8), in_heap=np.zeros(num_keys, np.int8),
             protected=np.zeros(num_keys, np.int8), stamp=np.full(num_keys, -1, np.int64),
@@ -75,8 +74,11 @@ cdef class CyclicCore:
             least_latest=np.full(layers, INF), value=np.full(layers, INF), score=np.empty(layers),
             heap_count=np.empty(layers * experts), heap_key=np.empty(layers * experts, np.intp),
             heap_len=np.zeros(layers, np.intp), aside_count=np.empty(experts),
-            aside_key=np.empty(experts, np.intp))
-        self._arrays = (self.count, arrays)
+            aside_key=np.empty(experts, np.intp), call_keys=np.empty(experts, np.intp))
+        # the sizes change with the arrays, once every array exists
+        self.count, self._arrays = count, (count, arrays)
+        self.num_keys, self.experts, self.layers = num_keys, experts, layers
+        self.half_life, self.group_weight = half_life, group_weight
         self._count = <double*> _address(self.count)
         self.state = <signed char*> _address(arrays["state"])
         self.in_heap = <char*> _address(arrays["in_heap"])
@@ -95,6 +97,7 @@ cdef class CyclicCore:
         self.heap_len = <Py_ssize_t*> _address(arrays["heap_len"])
         self.aside_count = <double*> _address(arrays["aside_count"])
         self.aside_key = <Py_ssize_t*> _address(arrays["aside_key"])
+        self.call_keys = <Py_ssize_t*> _address(arrays["call_keys"])
         self.weight = 1.0  # what one use adds now
         self.rescaled = 0.0  # halvings already applied to `count`
         self.position = 0  # layer of the current call: the one after the latest accessed
@@ -114,23 +117,29 @@ cdef class CyclicCore:
         return k
 
     def access(self, keys, new=()) -> None:
-        cdef list called = keys if type(keys) is list else list(keys)
-        cdef Py_ssize_t i, key, n = len(called), layer = self._key(called[0]) // self.experts
-        cdef Py_ssize_t base = layer * self.experts, m = self.latest_len[layer], reused = 0
+        # every key is read and checked once, into `call_keys` or `fresh`, before any change:
+        # a refused call leaves no trace, and what the caller's objects do later reaches nothing
+        cdef list items = list(keys)
+        cdef Py_ssize_t* called = self.call_keys
+        cdef Py_ssize_t i, key, layer, base, m, n = len(items), reused = 0
+        cdef list fresh
         cdef long long call
         cdef double c, least = INF, weight = self.weight
-        if n > self.experts:
-            raise ValueError(f"a call of {n} keys to a layer of {self.experts} experts")
-        for i in range(n):  # checked before any change: a refused call leaves no trace
-            key = self._key(called[i])
-            if key // self.experts != layer:  # its heap and list of the layer have no room
-                raise ValueError(f"a call's keys are of one layer: {called[0]} and {key} are not")
-        for item in new:
-            self._key(item)
+        if not 0 < n <= self.experts:
+            raise ValueError(f"a call names 1 to {self.experts} keys of one layer, got {n}")
+        for i in range(n):
+            called[i] = self._key(items[i])
+        layer = called[0] // self.experts
+        for i in range(1, n):
+            if called[i] // self.experts != layer:  # the layer's heap and list have no room
+                raise ValueError(f"a call's keys are of one layer: {called[0]} and {called[i]} "
+                                 f"are not")
+        fresh = [self._key(item) for item in new]
+        base, m = layer * self.experts, self.latest_len[layer]
         self.calls_made += 1
         call = self.calls_made
         for i in range(n):
-            key = <Py_ssize_t> called[i]
+            key = called[i]
             c = self._count[key] = self._count[key] + weight
             self.stamp[key] = call
             if c < least:
@@ -147,13 +156,13 @@ cdef class CyclicCore:
         self.reused += reused
         self.used += n
         self.offered += m
-        for item in new:
-            self.state[<Py_ssize_t> item] = 2
+        for key in fresh:
+            self.state[key] = 2
         if self.unused:  # it may use prefetched keys (else every hit is a used key already)
             for i in range(n):
-                self.state[<Py_ssize_t> called[i]] = 2
+                self.state[called[i]] = 2
         for i in range(n):
-            self.latest[base + i] = <Py_ssize_t> called[i]
+            self.latest[base + i] = called[i]
         self.latest_len[layer], self.call_stamp[layer], self.is_ranked[layer] = n, call, 0
         self.least_latest[layer] = least
         self.position = layer + 1 if layer + 1 < self.layers else 0
@@ -161,8 +170,7 @@ cdef class CyclicCore:
 
     def warm(self, keys) -> None:
         cdef Py_ssize_t key, layer
-        for item in keys:
-            key = self._key(item)
+        for key in [self._key(item) for item in keys]:  # all checked first
             self.state[key] = 2
             layer = key // self.experts
             if self.stamp[key] == self.call_stamp[layer]:  # it ranks as latest again
@@ -173,9 +181,11 @@ cdef class CyclicCore:
             self._note(layer)
 
     def insert(self, keys) -> None:
-        for item in keys:
-            self.state[self._key(item)] = 1
-        self.unused += keys
+        cdef Py_ssize_t key
+        cdef list checked = [self._key(item) for item in keys]
+        for key in checked:
+            self.state[key] = 1
+        self.unused += checked
 
     def remove(self, key) -> None:
         cdef Py_ssize_t k = self._key(key), layer = k // self.experts
@@ -185,21 +195,23 @@ cdef class CyclicCore:
 
     def victims(self, Py_ssize_t n, protected) -> list:
         cdef Py_ssize_t key
-        chosen = self._unused_victims(n, protected) if self.unused else []
-        if len(chosen) >= n:
-            return chosen
-        for item in protected:
-            key = item
-            if 0 <= key < self.num_keys:
-                self.protected[key] = 1
-        try:
-            self._evict(n, chosen)
-        finally:
+        cdef list marked = [], chosen = []
+        if not self.layers:
+            raise RuntimeError("the policy was never initialized")
+        try:  # the protected keys are flagged for the step, and unflagged however it ends
             for item in protected:
                 key = item
-                if 0 <= key < self.num_keys:
-                    self.protected[key] = 0
-        return chosen
+                if 0 <= key < self.num_keys and not self.protected[key]:
+                    self.protected[key] = 1
+                    marked.append(key)
+            if self.unused:
+                chosen = self._unused_victims(n)
+            if len(chosen) < n:
+                self._evict(n, chosen)
+            return chosen
+        finally:
+            for key in marked:
+                self.protected[key] = 0
 
     cdef int _evict(self, Py_ssize_t n, list chosen) except -1:
         """Take victims, best layer first, until `chosen` holds `n`."""
@@ -243,14 +255,16 @@ cdef class CyclicCore:
                 best = j
         return best
 
-    def _unused_victims(self, Py_ssize_t n, protected) -> list:
-        """Up to `n` prefetched keys that no call has used, in the order they came."""
+    cdef list _unused_victims(self, Py_ssize_t n):
+        """Up to `n` prefetched keys that no call has used and none protects, in the order
+        they came."""
         cdef list chosen = [], keep = []
+        cdef Py_ssize_t key
         for key in self.unused:
-            if self.state[<Py_ssize_t> key] != 1:
+            if self.state[key] != 1:
                 continue  # used or gone since
-            if len(chosen) < n and key not in protected:
-                self.state[<Py_ssize_t> key] = 0
+            if len(chosen) < n and not self.protected[key]:
+                self.state[key] = 0
                 chosen.append(key)
             else:
                 keep.append(key)
@@ -306,11 +320,13 @@ cdef class CyclicCore:
                 key = ranked[at]
                 at += 1
                 evicted_latest = True
-            else:
+            elif self.heap_len[layer]:
                 key = self.heap_key[base]  # the next one is no less
                 self._pop(layer)
                 self.in_heap[key] = 0
                 settled = False
+            else:  # never with finite counts (see `LayerCyclic.seed`)
+                break
             self.state[key] = 0
             chosen.append(key)
             limit -= 1

@@ -348,7 +348,12 @@ class LayerCyclic(CyclicCore, Policy):
         super().__init__(num_keys, num_experts or num_keys, half_life, group_weight)
 
     def seed(self, counts: dict[int, float]) -> None:
-        _add_counts(self.count, counts, self.weight)
+        count = self.count.copy()
+        with np.errstate(over="ignore"):  # said below
+            _add_counts(count, counts, self.weight)
+        if not np.isfinite(count).all():  # a NaN count would make every comparison false
+            raise ValueError("seed counts too large: the policy's counts overflow")
+        self.count[:] = count
         self._rescale(1.0)
 
 

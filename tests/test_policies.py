@@ -454,6 +454,51 @@ def test_cyclic_refuses_a_call_outside_its_keys_or_across_layers(call):
     assert policy.victims(2, set()) == [1, 2]
 
 
+def test_cyclic_refuses_a_call_of_no_keys():
+    policy = make_policy("cyclic", 8, 32, num_experts=16)
+    with pytest.raises(ValueError, match="got 0"):
+        policy.access([])
+
+
+def test_cyclic_reads_each_key_of_a_call_once():
+    """`new` may be an iterator, and what it runs may change the caller's list of keys: the
+    policy keeps what it read and checked first."""
+    policy = make_policy("cyclic", 8, 32, num_experts=16)
+    keys = [1, 2]
+
+    def fresh():
+        yield 1
+        keys[:] = [10**9]  # out of every array
+        yield 2
+
+    policy.access(keys, fresh())
+    assert policy.victims(2, set()) == [1, 2]
+
+
+def test_cyclic_victims_with_a_bad_protected_key_leave_every_key_evictable():
+    policy = make_policy("cyclic", 8, 32, num_experts=16)
+    policy.access([1, 2], [1, 2])
+    policy.insert([3])  # a prefetch: the first to go
+    with pytest.raises(TypeError):
+        policy.victims(1, [1, "x"])
+    assert policy.victims(3, set()) == [3, 1, 2]
+
+
+def test_cyclic_refuses_seed_counts_that_overflow():
+    """An infinite count, halved to nothing by a long tick, is NaN, which no comparison
+    orders: the policy took keys from an empty heap."""
+    policy = make_policy("cyclic", 4, 4, num_experts=4)
+    policy.seed({1: 1e308})
+    with pytest.raises(ValueError, match="overflow"):
+        policy.seed({1: 1e308})
+    assert np.isfinite(policy.count).all()
+
+
+def test_cyclic_victims_of_an_uninitialized_policy_is_an_error():
+    with pytest.raises(RuntimeError, match="initialized"):
+        policies.LayerCyclic.__new__(policies.LayerCyclic).victims(1, set())
+
+
 def test_cyclic_below_one_token_of_experts_keeps_what_the_next_layers_use():
     """Three layers, one expert each per token, two slots: LRU evicts each expert before its
     layer comes round again; cyclic gives up the layer just served, as the optimum does."""
