@@ -17,7 +17,7 @@ import numpy as np
 
 try:
     from mlx_moestream._cyclic import CyclicCore, all_in_use as _all_in_use
-except ImportError as error:  # a checkout used as it is
+except ModuleNotFoundError as error:  # a checkout used as it is
     raise ImportError("mlx_moestream's compiled part (_cyclic.pyx) is not built: run "
                       "`pip install -e .` in the checkout") from error
 
