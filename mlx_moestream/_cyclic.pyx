@@ -112,6 +112,7 @@ cdef class CyclicCore:
         self.weight = 1.0  # what one use adds now
         self.rescaled = 0.0  # halvings already applied to `count`
         self.position = 0  # layer of the current call: the one after the latest accessed
+        self.tokens = self.calls_made = self.calls = self.reused = self.used = self.offered = 0
         self.unused = []
         self._restart_rates()
         self._rates()
