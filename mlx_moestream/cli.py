@@ -68,8 +68,8 @@ class _Commands(click.Group):
     """The commands, an error writing their output one line too: click ends quietly on a
     closed pipe (EPIPE) and lets any other OSError out as a traceback (a full disk under
     `> file`, /dev/full). The commands' own OSErrors are theirs to say (`_fail`). Ctrl-C ends
-    a command as `_Interrupted` says (click's "Aborted!" exits 1, which a script takes for an
-    error of the command's own)."""
+    a command with `_Interrupted`, status 130 (click's "Aborted!" exits 1, which a script takes
+    for an error of the command's own)."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -82,9 +82,6 @@ class _Commands(click.Group):
         _open_standard_streams()
         try:
             return super().main(*args, **kwargs)
-        except _Interrupted:
-            sys.excepthook = _quiet_interrupt
-            raise KeyboardInterrupt from None
         except OSError as e:  # a file's error names it; the output's names none
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # none at exit
             where = e.filename or "cannot write the output"
@@ -92,16 +89,27 @@ class _Commands(click.Group):
             sys.exit(1)
 
 
-class _Interrupted(BaseException):
-    """Ctrl-C stopped a command, which said so. It leaves `main` as a KeyboardInterrupt that
-    shows no traceback, so that Python, once it has finalized, ends the process by SIGINT, as
-    a shell expects of a command Ctrl-C stopped: a loop in a script stops there, where status
-    130 would run its next round."""
+class _Interrupted(SystemExit):
+    """Ctrl-C stopped a command, which said so: status 130 where `main` is called in a
+    program (a test's runner), and the end of the process by SIGINT where it is the program
+    (`run`)."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGINT)
 
 
-def _quiet_interrupt(kind, value, traceback) -> None:
-    if not issubclass(kind, KeyboardInterrupt):
-        sys.__excepthook__(kind, value, traceback)
+def run() -> None:
+    """The program `mlx-moestream`: `main`, and a command Ctrl-C stopped leaves as a
+    KeyboardInterrupt that shows no traceback, so that Python, once it has finalized, ends the
+    process by SIGINT, as a shell expects of a command Ctrl-C stopped: a loop in a script
+    stops there, where status 130 would run its next round."""
+    try:
+        main()
+    except _Interrupted:
+        hook = sys.excepthook
+        sys.excepthook = lambda kind, *rest: (None if issubclass(kind, KeyboardInterrupt)
+                                              else hook(kind, *rest))
+        raise KeyboardInterrupt from None
 
 
 def _open_standard_streams() -> None:
@@ -777,4 +785,4 @@ def repack(model, verify_only):
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -9,19 +9,36 @@ trace replay and any other backend share them.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 
 try:
-    from mlx_moestream._cyclic import CyclicCore, all_in_use as _all_in_use
-except ModuleNotFoundError as error:  # a checkout used as it is
+    from mlx_moestream import _cyclic
+except ModuleNotFoundError:  # a checkout used as it is
     raise ImportError("mlx_moestream's compiled part (_cyclic.pyx) is not built: run "
-                      "`pip install -e .` in the checkout") from error
+                      "`pip install -e .` in the checkout") from None
+from mlx_moestream._cyclic import CyclicCore, all_in_use as _all_in_use
 
 DEFAULT_POLICY = "cyclic"
+
+
+def _check_build() -> None:
+    """In a checkout, the compiled policy must be built from the source beside this file: after
+    a pull that changed it, or with another checkout's build found through a shared
+    environment, it would run other code than the source reads. A wheel has no source."""
+    source = Path(__file__).with_name("_cyclic.pyx")
+    if (source.exists()
+            and hashlib.sha256(source.read_bytes()).hexdigest() != _cyclic.SOURCE_DIGEST):
+        raise ImportError(f"{source} is not the source of mlx_moestream's compiled part "
+                          f"({_cyclic.__file__}): run `pip install -e .` in this checkout")
+
+
+_check_build()
 
 
 class Policy:

@@ -292,11 +292,24 @@ def test_chat_with_its_standard_input_closed_answers(tiny_model):
 
 def test_ctrl_c_while_the_model_loads_ends_by_sigint(tiny_model):
     code = ("import os; from mlx_moestream import cli; "
-            "os.preadv = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()); cli.main()")
+            "os.preadv = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()); cli.run()")
     out = subprocess.run([sys.executable, "-c", code, "chat", "-m", str(tiny_model("qwen3_moe")),
                           "--prompt", "hello"], capture_output=True, text=True, timeout=120)
     assert out.returncode == -signal.SIGINT, out.stderr
     assert out.stderr.endswith("\n[interrupted]\n") and "Aborted" not in out.stderr
+
+
+def test_ctrl_c_in_main_called_by_a_program_is_status_130(tiny_model, monkeypatch):
+    """A program that calls `main` (a test's runner) gets the status, not a KeyboardInterrupt
+    that would end it too."""
+    from click.testing import CliRunner
+
+    from mlx_moestream import cli
+
+    monkeypatch.setattr(os, "preadv", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    result = CliRunner().invoke(cli.main, ["chat", "-m", str(tiny_model("qwen3_moe")),
+                                           "--prompt", "hello"])
+    assert result.exit_code == 130, result.output
 
 
 def test_a_shell_loop_stops_at_a_command_ctrl_c_stopped(tiny_model):
