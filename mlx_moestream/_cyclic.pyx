@@ -122,24 +122,23 @@ cdef class CyclicCore:
         return k
 
     def access(self, keys, new=()) -> None:
-        # every key is read and checked once, into `call_keys` or `fresh`, before any change:
-        # a refused call leaves no trace, and what the caller's objects do later reaches nothing
-        cdef list items = list(keys)
+        # every key is read and checked once, before any change: a refused call leaves no
+        # trace, and no code of the caller's objects runs once `call_keys` is written
+        cdef list items = [self._key(item) for item in keys]
+        cdef list fresh = [self._key(item) for item in new]
         cdef Py_ssize_t* called = self.call_keys
         cdef Py_ssize_t i, key, layer, base, m, n = len(items), reused = 0
-        cdef list fresh
         cdef long long call
         cdef double c, least = INF, weight = self.weight
         if not 0 < n <= self.experts:
             raise ValueError(f"a call names 1 to {self.experts} keys of one layer, got {n}")
         for i in range(n):
-            called[i] = self._key(items[i])
+            called[i] = <Py_ssize_t> items[i]
         layer = called[0] // self.experts
         for i in range(1, n):
             if called[i] // self.experts != layer:  # the layer's heap and list have no room
                 raise ValueError(f"a call's keys are of one layer: {called[0]} and {called[i]} "
                                  f"are not")
-        fresh = [self._key(item) for item in new]
         base, m = layer * self.experts, self.latest_len[layer]
         self.calls_made += 1
         call = self.calls_made

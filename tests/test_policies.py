@@ -477,6 +477,20 @@ def test_cyclic_reads_each_key_of_a_call_once():
     assert policy.victims(2, set()) == [1, 2]
 
 
+def test_cyclic_counts_a_call_whose_key_objects_call_the_policy_meanwhile():
+    """A key object's `__index__` that calls the policy (a hook, a debugger) runs before the
+    call's keys are written where the policy keeps them, and changes none of them."""
+    policy = make_policy("cyclic", 8, 32, num_experts=16)
+
+    class Calling:
+        def __index__(self):
+            policy.access([5, 6])
+            return 2
+
+    policy.access([1, Calling()])
+    assert policy.count[[1, 2, 5, 6]].tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
 def test_cyclic_victims_with_a_bad_protected_key_leave_every_key_evictable():
     policy = make_policy("cyclic", 8, 32, num_experts=16)
     policy.access([1, 2], [1, 2])
