@@ -114,6 +114,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         _stream(modules[e.module], i, runtime, router, None if rows else placed)
     lm.moestream = runtime
     lm.save_pretrained = _refuse_saving
+    _refuse_converting(lm, [modules[e.module] for e in experts])
     _compile_every_layer(len(experts))
     if not (runtime.holds_all and rows):  # else no expert is read again, and they compute
         _refuse_loading_experts(lm, [modules[e.module] for e in experts])  # from their rows
@@ -152,6 +153,29 @@ def _compile_every_layer(moe_layers: int) -> None:
     dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * moe_layers)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit,
                                              8 * moe_layers)
+
+
+def _refuse_converting(lm: torch.nn.Module, experts: list[torch.nn.Module]) -> None:
+    """`model.to(dtype or device)`, `.half()` and the like, on the model or on a module holding
+    experts, are refused before anything converts: they would copy every expert out of the
+    memory reads land in, all at once whatever the budget (on a real model, out of memory
+    before the next call could refuse the copies), and leave the model half converted."""
+    params = [param for module in experts for _, param in _expert_params(module)]
+    for module in [lm, *experts]:
+        module._apply = partial(_guarded_apply, module._apply, params)
+
+
+def _guarded_apply(apply: Callable, params: list[torch.nn.Parameter], fn: Callable, *args,
+                   **kwargs):
+    for param in params:  # what `fn` makes of an empty tensor like each: no expert is touched
+        probe = fn(torch.empty(0, dtype=param.dtype, device=param.device))
+        if probe.dtype != param.dtype or probe.device != param.device:
+            raise ModelError(
+                f"the streamed experts cannot be converted to {probe.dtype} on {probe.device} "
+                f"(model.to, .half, ...): they are read in the checkpoint's dtype "
+                f"({param.dtype}) to the device they were loaded on ({param.device}); load the "
+                f"model on the device wanted, and convert nothing")
+    return apply(fn, *args, **kwargs)
 
 
 def _refuse_loading_experts(lm: torch.nn.Module, experts: list[torch.nn.Module]) -> None:

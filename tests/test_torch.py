@@ -122,13 +122,28 @@ def test_assisted_generation_matches_the_loaded_model_bit_for_bit(hf_model, stre
     assert mlx_moestream.stats(streamed)["evictions"] > 0
 
 
-@pytest.mark.parametrize("convert", ["to(bfloat16)", "half()"])
-def test_converting_a_streamed_model_after_load_is_refused_at_its_next_call(hf_model, convert):
-    """The experts' copies would never be read into: every non-resident expert zeros."""
+@pytest.mark.parametrize("convert", ["to(bfloat16)", "half()", "experts.half()"])
+def test_converting_a_streamed_model_is_refused_before_anything_converts(hf_model, hf_reference,
+                                                                         convert):
+    """The conversion would copy every expert at once, whatever the budget, into memory no
+    read lands in; refused first, it leaves the model as it was, and exact."""
+    path = hf_model("qwen3_moe")
+    model, _ = moestream_torch.load(path, budget="25%")
+    conversions = {"to(bfloat16)": lambda: model.to(torch.bfloat16), "half()": model.half,
+                   "experts.half()": model.model.layers[0].mlp.experts.half}
+    with pytest.raises(ModelError, match=r"cannot be converted to torch\.(float16|bfloat16)"):
+        conversions[convert]()
+    model.to("cpu")  # what changes nothing passes
+    assert_equal_runs(run(model), hf_reference(path, torch.float32))
+
+
+def test_expert_parameters_replaced_after_load_are_refused_at_the_next_call(hf_model):
+    """Reads would land in the memory the parameters left: every non-resident expert zeros."""
     model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
-    model.to(torch.bfloat16) if convert.startswith("to") else model.half()
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj.data = experts.gate_up_proj.data.clone()
     with pytest.raises(ModelError, match=r"layer 0: the experts' 'gate_up_proj' was moved or "
-                                         r"converted after load \(model\.to, \.half, \.\.\.\)"):
+                                         r"converted after load"):
         model.generate(PROMPT, **DECODE)
 
 
