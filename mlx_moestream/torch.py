@@ -833,7 +833,9 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     # the memory reads land in: `model.to(...)`, `.half()` and the like copy the experts out
     # of it, and the copies would never be read into
     params = _expert_params(module)
-    where = [(name, param.data_ptr()) for name, param in params]
+    # reads land in their memory through numpy, which leaves torch's version counters as they
+    # are: a counter that moved is the user's in-place edit, which an evicted expert would lose
+    where = [(name, param.data_ptr(), param._version) for name, param in params]
     waits = params[0][1].device.type != "cpu"  # reading ids from a GPU waits for it: a sync
     # a gradient reaches the experts it was computed from only when no expert ever leaves
     # its memory, and the module computes from it (not from a gathered copy)
@@ -846,12 +848,18 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     @torch.compiler.disable  # numpy bookkeeping and a lock, not a graph: it runs as is
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
         with runtime.lock:  # another thread's call of this layer may swap its experts (eager)
-            for name, address in where:
-                if getattr(module, name).data_ptr() != address:
+            for name, address, version in where:
+                param = getattr(module, name)
+                if param.data_ptr() != address:
                     raise ModelError(
                         f"layer {layer}: the experts' '{name}' was moved or converted after "
                         "load (model.to, .half, ...), which streaming cannot follow: the experts "
                         "are read in the checkpoint's dtype to the device they were loaded on")
+                if param._version != version and not trainable:  # else they stay, as trained
+                    raise ModelError(
+                        f"layer {layer}: the experts' '{name}' was changed in place after load, "
+                        "which streaming cannot keep: an evicted expert is read again from the "
+                        "checkpoint; save the changed weights as a checkpoint and load that")
             ids = top_k_index.detach().to("cpu").numpy()
             if waits:
                 runtime.count_sync()

@@ -147,6 +147,18 @@ def test_expert_parameters_replaced_after_load_are_refused_at_the_next_call(hf_m
         model.generate(PROMPT, **DECODE)
 
 
+def test_expert_weights_changed_in_place_are_refused_at_the_next_call(hf_model):
+    """An evicted expert is read again from the checkpoint, without the change: outputs would
+    mix changed and unchanged experts. (At a budget holding every expert they stay: training
+    works there.)"""
+    model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.gate_up_proj.mul_(1.5)
+    with pytest.raises(ModelError, match=r"layer 0: the experts' 'gate_up_proj' was changed in "
+                                         r"place after load"):
+        model.generate(PROMPT, **DECODE)
+
+
 def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference):
     """Negative control: the same experts in a permuted [E, ...] pool, ids remapped to it (what
     a compact slot pool does), change float32 grouped_mm's sums, and the test above sees it.
