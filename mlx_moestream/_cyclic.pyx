@@ -38,7 +38,7 @@ cdef class CyclicCore:
     cdef readonly object count  # decayed uses per key, times `weight` (float64)
     cdef readonly double weight
     cdef list unused  # prefetched keys, in order
-    cdef object _arrays  # the arrays the pointers below read
+    cdef list _arrays  # the arrays the pointers below read
     cdef double* _count
     cdef signed char* state  # 0: not resident, 1: prefetched, unused, 2: used
     cdef char* in_heap
@@ -58,57 +58,52 @@ cdef class CyclicCore:
     cdef double* aside_count  # `_evict_least`'s scratch
     cdef Py_ssize_t* aside_key
     cdef Py_ssize_t* call_keys  # `access`'s keys, checked
-    cdef Py_ssize_t position
-    cdef long long calls_made, tokens, calls, reused, used, offered
-    cdef double half_life, rescaled, group_weight, bonus_latest, bonus_old
+    cdef Py_ssize_t position  # layer of the current call: the one after the latest accessed
+    cdef long long calls_made, tokens, calls, reused, used, offered  # all from 0
+    cdef double rescaled  # halvings already applied to `count`, from 0
+    cdef double half_life, group_weight, bonus_latest, bonus_old
     cdef double uses[2]
     cdef double chances[2]
 
     def __init__(self, num_keys: int, experts: int, half_life: int, group_weight: float):
+        if self.layers:
+            raise RuntimeError("a policy is initialized once")
         if num_keys < 1 or experts < 1:
             raise ValueError(f"a policy needs keys and experts, got {num_keys} and {experts}")
         layers = -(-num_keys // experts)
-        count = np.zeros(num_keys)
-        arrays = dict(
-            state=np.zeros(num_keys, np.int8), in_heap=np.zeros(num_keys, np.int8),
-            protected=np.zeros(num_keys, np.int8), stamp=np.full(num_keys, -1, np.int64),
-            call_stamp=np.full(layers, -2, np.int64),
-            latest=np.zeros(layers * experts, np.intp), latest_len=np.zeros(layers, np.intp),
-            ranked=np.zeros(layers * experts, np.intp), is_ranked=np.zeros(layers, np.int8),
-            least_latest=np.full(layers, INF), value=np.full(layers, INF), score=np.empty(layers),
-            heap_count=np.empty(layers * experts), heap_key=np.empty(layers * experts, np.intp),
-            heap_len=np.zeros(layers, np.intp), aside_count=np.empty(experts),
-            aside_key=np.empty(experts, np.intp), call_keys=np.empty(experts, np.intp))
-        # the sizes change with the arrays, once every array exists
-        self.count, self._arrays = count, (count, arrays)
-        self.num_keys, self.experts, self.layers = num_keys, experts, layers
+        self._arrays = []
+        self.count = np.zeros(num_keys)
+        self._count = <double*> self._held(self.count)
+        self.state = <signed char*> self._held(np.zeros(num_keys, np.int8))
+        self.in_heap = <char*> self._held(np.zeros(num_keys, np.int8))
+        self.protected = <char*> self._held(np.zeros(num_keys, np.int8))
+        self.stamp = <long long*> self._held(np.full(num_keys, -1, np.int64))
+        self.call_stamp = <long long*> self._held(np.full(layers, -2, np.int64))
+        self.latest = <Py_ssize_t*> self._held(np.zeros(layers * experts, np.intp))
+        self.latest_len = <Py_ssize_t*> self._held(np.zeros(layers, np.intp))
+        self.ranked = <Py_ssize_t*> self._held(np.zeros(layers * experts, np.intp))
+        self.is_ranked = <char*> self._held(np.zeros(layers, np.int8))
+        self.least_latest = <double*> self._held(np.full(layers, INF))
+        self.value = <double*> self._held(np.full(layers, INF))
+        self.score = <double*> self._held(np.empty(layers))
+        self.heap_count = <double*> self._held(np.empty(layers * experts))
+        self.heap_key = <Py_ssize_t*> self._held(np.empty(layers * experts, np.intp))
+        self.heap_len = <Py_ssize_t*> self._held(np.zeros(layers, np.intp))
+        self.aside_count = <double*> self._held(np.empty(experts))
+        self.aside_key = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
+        self.call_keys = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
         self.half_life, self.group_weight = half_life, group_weight
-        self._count = <double*> _address(self.count)
-        self.state = <signed char*> _address(arrays["state"])
-        self.in_heap = <char*> _address(arrays["in_heap"])
-        self.protected = <char*> _address(arrays["protected"])
-        self.stamp = <long long*> _address(arrays["stamp"])
-        self.call_stamp = <long long*> _address(arrays["call_stamp"])
-        self.latest = <Py_ssize_t*> _address(arrays["latest"])
-        self.latest_len = <Py_ssize_t*> _address(arrays["latest_len"])
-        self.ranked = <Py_ssize_t*> _address(arrays["ranked"])
-        self.is_ranked = <char*> _address(arrays["is_ranked"])
-        self.least_latest = <double*> _address(arrays["least_latest"])
-        self.value = <double*> _address(arrays["value"])
-        self.score = <double*> _address(arrays["score"])
-        self.heap_count = <double*> _address(arrays["heap_count"])
-        self.heap_key = <Py_ssize_t*> _address(arrays["heap_key"])
-        self.heap_len = <Py_ssize_t*> _address(arrays["heap_len"])
-        self.aside_count = <double*> _address(arrays["aside_count"])
-        self.aside_key = <Py_ssize_t*> _address(arrays["aside_key"])
-        self.call_keys = <Py_ssize_t*> _address(arrays["call_keys"])
         self.weight = 1.0  # what one use adds now
-        self.rescaled = 0.0  # halvings already applied to `count`
-        self.position = 0  # layer of the current call: the one after the latest accessed
-        self.tokens = self.calls_made = self.calls = self.reused = self.used = self.offered = 0
         self.unused = []
         self._restart_rates()
+        # last: until then (an allocation failed) every call refuses, on sizes of 0
+        self.num_keys, self.experts, self.layers = num_keys, experts, layers
         self._rates()
+
+    cdef size_t _held(self, object array) except 0:
+        """The address of `array`'s memory, which the policy keeps alive."""
+        self._arrays.append(array)
+        return array.ctypes.data
 
     cdef void _restart_rates(self) noexcept:
         """The uses and chances of the latest and of the other keys, before any call."""
@@ -469,6 +464,3 @@ cdef class CyclicCore:
         if n:
             self.heap_count[base + i], self.heap_key[base + i] = c, key
 
-
-cdef size_t _address(object array):
-    return array.ctypes.data

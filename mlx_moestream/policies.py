@@ -22,7 +22,6 @@ try:
 except ModuleNotFoundError:  # a checkout used as it is
     raise ImportError("mlx_moestream's compiled part (_cyclic.pyx) is not built: run "
                       "`pip install -e .` in the checkout") from None
-from mlx_moestream._cyclic import CyclicCore, all_in_use as _all_in_use
 
 DEFAULT_POLICY = "cyclic"
 
@@ -273,7 +272,7 @@ class WindowLFU(Policy):
         if level == 2:
             eligible = eligible[~np.isin(eligible, list(protected))]
             if not len(eligible):
-                raise _all_in_use()
+                raise _cyclic.all_in_use()
         ranked = count[eligible]
         if len(eligible) > _RANK_SIZE:  # the lowest counts, every key of the highest of them
             self.complete = False
@@ -322,7 +321,7 @@ class WindowLFU(Policy):
 _RANK_SIZE = 256  # candidates sorted at once: more than a token evicts at common shapes
 
 
-class LayerCyclic(CyclicCore, Policy):
+class LayerCyclic(_cyclic.CyclicCore, Policy):
     """Evicts the expert that promises the fewest uses per slot held until its layer's next call.
 
     Every token calls the MoE layers in order, so an expert of layer j cannot be used again
@@ -560,7 +559,7 @@ def _pop_oldest(order: OrderedDict, protected: set[int]) -> int:
         if key not in protected:
             del order[key]
             return key
-    raise _all_in_use()
+    raise _cyclic.all_in_use()
 
 
 class _Resident:
@@ -604,7 +603,7 @@ class _Resident:
         if i < 0 or score[i] == np.inf:
             if or_none:
                 return None
-            raise _all_in_use()
+            raise _cyclic.all_in_use()
         if tie is not None:
             equal = (score == score[i]).nonzero()[0]
             if len(equal) > 1:

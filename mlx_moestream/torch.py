@@ -114,10 +114,11 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
         _stream(modules[e.module], i, runtime, router, None if rows else placed)
     lm.moestream = runtime
     lm.save_pretrained = _refuse_saving
-    _refuse_converting(lm, [modules[e.module] for e in experts])
+    streamed = [modules[e.module] for e in experts]
+    _refuse_converting(lm, streamed)
     _compile_every_layer(len(experts))
     if not (runtime.holds_all and rows):  # else no expert is read again, and they compute
-        _refuse_loading_experts(lm, [modules[e.module] for e in experts])  # from their rows
+        _refuse_loading_experts(lm, streamed)  # from their rows
     if prefetch:
         runtime.enable_prefetch()
     if runtime.holds_all:

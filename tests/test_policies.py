@@ -510,6 +510,13 @@ def test_cyclic_refuses_seed_counts_that_overflow():
     assert np.isfinite(policy.count).all()
 
 
+def test_cyclic_is_initialized_once():
+    """Its compiled state is sized once: sizes and arrays cannot part."""
+    policy = make_policy("cyclic", 8, 32, num_experts=16)
+    with pytest.raises(RuntimeError, match="once"):
+        policies.LayerCyclic.__init__(policy, 8, 64, 16)
+
+
 def test_cyclic_victims_of_an_uninitialized_policy_is_an_error():
     with pytest.raises(RuntimeError, match="initialized"):
         policies.LayerCyclic.__new__(policies.LayerCyclic).victims(1, set())
