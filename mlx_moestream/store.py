@@ -70,11 +70,6 @@ REPACK_DIR = "moestream-experts"
 # bytes: a separate read costs a device round trip, worth a few hundred KB at disk speed.
 READ_RUN_BYTES = 8 * 2**20
 READ_GAP_BYTES = 256 * 2**10
-# A dropped read's range is widened to this alignment: the kernel drops only whole folios in a
-# range, and readahead caches large ones (up to 2 MiB, a huge page) across the read's edges,
-# which stayed cached: most of what a session read. Pages of the dense weights nearby may go
-# too; the model holds its own copy of those.
-DROP_ALIGN = 2 * 2**20
 # buffers one preadv takes (Linux and macOS: 1024)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
 REPACK_SCHEMA = "mlx-moestream-repack"
@@ -561,6 +556,7 @@ class ExpertStore:
                     os.close(fds.pop())
                 direct = None
         self._fds, self._direct, self._closer = fds[: len(self.files)], direct, closer
+        self._blocks = [max(mmap.PAGESIZE, os.fstat(fd).st_blksize) for fd in self._fds]
 
     def close(self) -> None:
         if self._fds is not None:
@@ -809,8 +805,13 @@ class ExpertStore:
             )
 
     def _drop(self, file: int, offset: int, nbytes: int) -> None:
-        """Drop a read range's pages from the page cache, when the store does (Linux)."""
+        """Drop a read range's pages from the page cache, when the store does (Linux). The
+        kernel drops only whole folios in a range, and a read without readahead caches the
+        file's smallest, a block: the range is widened to blocks. (Readahead's large folios, up
+        to 2 MiB, crossed a read's edges and stayed cached; a range widened to 2 MiB dropped
+        what concurrent reads of nearby experts had asked for and not yet read.)"""
         if self.drop_page_cache and hasattr(os, "posix_fadvise"):
-            start = offset // DROP_ALIGN * DROP_ALIGN  # see DROP_ALIGN
-            end = -(-(offset + nbytes) // DROP_ALIGN) * DROP_ALIGN
+            align = self._blocks[file]
+            start = offset // align * align
+            end = -(-(offset + nbytes) // align) * align
             os.posix_fadvise(self._fds[file], start, end - start, os.POSIX_FADV_DONTNEED)
