@@ -138,10 +138,10 @@ def load(
                 runtime.host = (group.rank(), group.size())
             attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
             mx.eval(lazy_model.parameters())  # the dense weights; experts left the tree
-            store.loaded()
+            digest = _checkpoint_digest(path, store) if group is not None else None
+            store.loaded()  # after every read of the load: it drops them from the page cache
             if profile is not None:
                 runtime.prewarm(profile, prewarm_share, pin_share, progress)
-            digest = _checkpoint_digest(path, store) if group is not None else None
         except Exception as e:
             if group is None:
                 raise

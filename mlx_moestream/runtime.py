@@ -670,6 +670,7 @@ class Runtime:
         and the reads in flight at the fork, which never land here, leave their slots."""
         if not self.closed:
             self.io = _started_pool(self.io_threads)
+        self.store.forked()
         pending = [(layer, expert) for layer, reads in self.unfinished for expert, _ in reads]
         self.unfinished = []
         if self.prefetch:

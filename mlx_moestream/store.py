@@ -70,6 +70,12 @@ REPACK_DIR = "moestream-experts"
 # bytes: a separate read costs a device round trip, worth a few hundred KB at disk speed.
 READ_RUN_BYTES = 8 * 2**20
 READ_GAP_BYTES = 256 * 2**10
+# Dropped reads are widened to this alignment: the kernel drops only whole folios in a range.
+# Reads without readahead (POSIX_FADV_RANDOM) cache single pages, but a file just written
+# (a download, a conversion, a copy) or read by another program is cached in large folios, up
+# to 2 MiB, which a range of the expert's own pages leaves cached (`_read_parts` drops them
+# once no read is in flight, so that no window drops what a concurrent read asked for).
+DROP_ALIGN = 2 * 2**20
 # buffers one preadv takes (Linux and macOS: 1024)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
 REPACK_SCHEMA = "mlx-moestream-repack"
@@ -339,6 +345,10 @@ class ExpertStore:
         self._direct: int | None = None  # experts.bin opened with O_DIRECT, when it can be
         self._closer: weakref.finalize | None = None  # closes what `open` opened
         self._bounce = threading.local()  # each reader thread's page-aligned buffer
+        self._reads_lock = threading.Lock()
+        self._reading = 0  # `_read_parts` in progress, on any thread
+        self._undropped: list[tuple[int, int, int]] = []  # (file, offset, bytes) read since
+        self._failed: list[tuple[int, int, int]] = []  # those of failed reads, to drop twice
         self._expert_parents: dict[tuple[str, str], list[str]] | None = None  # see `_parent`
         self.layers: list[list[ExpertTensor]] = []
         self.alternating: list[list[list[ExpertTensor]]] = []  # per layer, those of each block
@@ -556,12 +566,19 @@ class ExpertStore:
                     os.close(fds.pop())
                 direct = None
         self._fds, self._direct, self._closer = fds[: len(self.files)], direct, closer
-        self._blocks = [max(mmap.PAGESIZE, os.fstat(fd).st_blksize) for fd in self._fds]
 
     def close(self) -> None:
         if self._fds is not None:
+            self._drop(self._undropped)
+            self._undropped = []
             self._closer()
         self._fds = self._direct = None
+
+    def forked(self) -> None:
+        """In a child forked while the store is in use: the reads in progress at the fork never
+        end here, and the lock may have been held by one of their threads."""
+        self._reads_lock = threading.Lock()
+        self._reading = 0
 
     def read_expert(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """Read one expert's tensors straight into `dest` buffers, in file order, with one
@@ -688,9 +705,9 @@ class ExpertStore:
 
     def _read_parts(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """One preadv per run of the expert's contiguous tensors (and `_read_rows`). The runs
-        lie far apart (a stacked tensor each): on Linux all are asked of the disk at once
-        (POSIX_FADV_WILLNEED) before the first is read, so their device round trips overlap
-        instead of following each other (9 cold reads of a 120 KB expert: 0.3 ms, not 0.9)."""
+        lie far apart (a stacked tensor each): on Linux each is requested (POSIX_FADV_WILLNEED,
+        up to the device's readahead size of it) before the first is read, so that their
+        device round trips overlap (9 cold reads of a 120 KB expert here: 0.3 ms, not 0.9)."""
         parts = sorted((int(t.files[expert]), int(t.offsets[expert]), i)
                        for i, t in enumerate(self.layers[layer]) if not t.rows)
         runs: list[list] = []  # [file, offset, buffers, names, nbytes]
@@ -706,19 +723,36 @@ class ExpertStore:
         ranges = [(file, offset, nbytes) for file, offset, _, _, nbytes in runs]
         ranges += [(int(ts[0].files[expert]), int(ts[0].offsets[expert]), ts[0].nbytes * ts[0].parts)
                    for ts in self.alternating[layer]]
-        if len(ranges) > 1 and hasattr(os, "POSIX_FADV_WILLNEED"):
-            for file, offset, nbytes in ranges:
-                os.posix_fadvise(self._fds[file], offset, nbytes, os.POSIX_FADV_WILLNEED)
-        total = 0
+        with self._reads_lock:
+            self._reading += 1
+        total, failed = 0, True
         try:
+            if len(ranges) > 1 and hasattr(os, "POSIX_FADV_WILLNEED"):
+                for file, offset, nbytes in ranges:
+                    os.posix_fadvise(self._fds[file], offset, nbytes, os.POSIX_FADV_WILLNEED)
             for file, offset, bufs, names, nbytes in runs:
                 where = f"'{'+'.join(names)}' of layer {layer} expert {expert}"
                 self._read_run(file, offset, bufs, nbytes, where)
                 total += nbytes
-            return total + self._read_rows(layer, expert, dest)
-        finally:  # once all are read (a range dropped early would be read again); a failed
-            for file, offset, nbytes in ranges:  # read leaves cached what is still in flight
-                self._drop(file, offset, nbytes)
+            total += self._read_rows(layer, expert, dest)
+            failed = False
+            return total
+        finally:
+            self._read_done(ranges, failed)
+
+    def _read_done(self, ranges: list[tuple[int, int, int]], failed: bool) -> None:
+        """A `_read_parts` ended: the last one in progress drops what all read since. A failed
+        one's ranges are dropped again the next time (or at `close`): what it requested and
+        did not read may still be arriving, and the kernel does not drop pages in flight."""
+        with self._reads_lock:  # a read starting meanwhile waits: nothing in flight is dropped
+            self._reading -= 1
+            self._undropped += ranges
+            if failed:
+                self._failed += ranges
+            if self._reading:
+                return
+            undropped, self._undropped, self._failed = self._undropped, self._failed, []
+            self._drop(undropped)
 
     def _read_rows(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """The expert's tensors whose rows alternate (`ExpertTensor.rows`): their block in one
@@ -804,14 +838,12 @@ class ExpertStore:
                 f"model again"
             )
 
-    def _drop(self, file: int, offset: int, nbytes: int) -> None:
-        """Drop a read range's pages from the page cache, when the store does (Linux). The
-        kernel drops only whole folios in a range, and a read without readahead caches the
-        file's smallest, a block: the range is widened to blocks. (Readahead's large folios, up
-        to 2 MiB, crossed a read's edges and stayed cached; a range widened to 2 MiB dropped
-        what concurrent reads of nearby experts had asked for and not yet read.)"""
+    def _drop(self, ranges: list[tuple[int, int, int]]) -> None:
+        """Drop read (file, offset, bytes) ranges from the page cache, when the store does
+        (Linux), each widened to `DROP_ALIGN`."""
         if self.drop_page_cache and hasattr(os, "posix_fadvise"):
-            align = self._blocks[file]
-            start = offset // align * align
-            end = -(-(offset + nbytes) // align) * align
-            os.posix_fadvise(self._fds[file], start, end - start, os.POSIX_FADV_DONTNEED)
+            windows = {(file, offset // DROP_ALIGN, -(-(offset + nbytes) // DROP_ALIGN))
+                       for file, offset, nbytes in ranges}  # nearby pieces share theirs
+            for file, first, end in windows:
+                os.posix_fadvise(self._fds[file], first * DROP_ALIGN, (end - first) * DROP_ALIGN,
+                                 os.POSIX_FADV_DONTNEED)

@@ -95,6 +95,19 @@ def load_on_hosts(path0, budget0, path1, budget1) -> list[str]:
     return sorted(line for line in out.stdout.splitlines() if line.startswith("host "))
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
+def test_a_distributed_load_leaves_the_page_cache(tiny_model):
+    """Hosts compare a fingerprint of their checkpoints, read from the files (every tensor of
+    at most 4 MiB whole): it was read after the load dropped the files' pages, and stayed."""
+    from test_memory import _cached_bytes, _dropped
+
+    path = tiny_model("qwen3_moe")
+    shard = path / "model.safetensors"
+    _dropped(shard)
+    assert load_on_hosts(path, "50%", path, "50%") == ["host 0: loaded", "host 1: loaded"]
+    assert _cached_bytes(shard) <= shard.stat().st_size // 20
+
+
 @pytest.mark.parametrize("change", ["weights", "config.json", "tokenizer_config.json"])
 def test_hosts_with_different_checkpoints_refuse_to_run(tiny_model, tmp_path, change):
     """Other weights, another config (the same layout) or another chat template: the exchanged

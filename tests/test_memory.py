@@ -94,6 +94,21 @@ def test_expert_reads_leave_the_page_cache(page_cache_model):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
+def test_expert_reads_drop_what_another_program_cached_of_the_model(page_cache_model):
+    """Another program's reads of the model (a checksum, a copy, a second load), or a model
+    still being written back at load, cache it in large folios, which a drop of an expert's
+    own pages leaves whole: the whole file stayed cached through a session."""
+    import mlx_moestream
+    from mlx_moestream.testing import greedy_logits
+
+    shard = page_cache_model / "model.safetensors"
+    model, _ = mlx_moestream.load(page_cache_model, budget="25%")
+    shard.read_bytes()  # another program, with readahead
+    greedy_logits(model, decode_tokens=16)
+    assert _cached_bytes(shard) <= shard.stat().st_size // 20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
 def test_a_load_that_reads_every_expert_leaves_the_page_cache(page_cache_model):
     """Read in large runs, every expert at once, the files' pages stayed cached around each
     run (its gaps kept for the dense weights, readahead past its edges)."""
@@ -124,3 +139,38 @@ def test_pages_readahead_brings_after_a_read_is_dropped_do_not_stay_cached(page_
         _dropped(shard)
         mlx_moestream.load(page_cache_model, budget="100%")
         assert _cached_bytes(shard) <= limit
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
+def test_pages_a_failed_read_requested_leave_the_page_cache(page_cache_model, monkeypatch):
+    """An expert's pieces are all requested before the first is read: when that read fails,
+    the others are still arriving, and the kernel does not drop pages in flight. They are
+    dropped again once the next read ends."""
+    import errno
+    import os
+    import time
+
+    import numpy as np
+
+    import mlx_moestream
+    from mlx_moestream.store import StoreError
+
+    model, _ = mlx_moestream.load(page_cache_model, budget="25%")
+    store = model.moestream.store
+    dest = {name: np.empty_like(view) for name, view in model.moestream.layer_pool[0].slot(0).items()}
+    shard = page_cache_model / "model.safetensors"
+    _dropped(shard)
+    first = min(int(t.offsets[3]) for t in store.layers[0])
+    preadv = os.preadv
+
+    def failing_preadv(fd, bufs, offset, *flags):
+        if offset == first:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", failing_preadv)
+    with pytest.raises(StoreError, match="expert 3"):
+        store.read_expert(0, 3, dest)
+    time.sleep(0.5)  # what it requested has landed
+    store.read_expert(0, 4, dest)
+    assert _cached_bytes(shard) == 0
