@@ -535,6 +535,17 @@ def test_a_compiled_policy_built_from_another_source_refuses_to_load():
     assert "_cyclic.pyx is not the source" in last and "pip install -e ." in last
 
 
+def test_the_program_says_in_one_line_that_the_compiled_policy_is_stale():
+    """`mlx-moestream` (its console script runs `__main__.main`) in a checkout not rebuilt after
+    a pull: the refused import is one line, not a traceback."""
+    run = ("import sys; from mlx_moestream import _cyclic; _cyclic.SOURCE_DIGEST = 'another'; "
+           "from mlx_moestream.__main__ import main; sys.argv = ['mlx-moestream', '--help']; main()")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.startswith("mlx-moestream: ") and done.stderr.count("\n") == 1
+    assert "_cyclic.pyx is not the source" in done.stderr and "pip install -e ." in done.stderr
+
+
 def test_cyclic_below_one_token_of_experts_keeps_what_the_next_layers_use():
     """Three layers, one expert each per token, two slots: LRU evicts each expert before its
     layer comes round again; cyclic gives up the layer just served, as the optimum does."""
