@@ -668,9 +668,9 @@ class Runtime:
         """In a child forked while the model was loaded (see `_follow_forks`): the I/O threads
         did not come along, so it starts its own (a read queued for them would wait for ever),
         and the reads in flight at the fork, which never land here, leave their slots."""
+        self.store.forked()
         if not self.closed:
             self.io = _started_pool(self.io_threads)
-        self.store.forked()
         pending = [(layer, expert) for layer, reads in self.unfinished for expert, _ in reads]
         self.unfinished = []
         if self.prefetch:

@@ -13,6 +13,7 @@ import os
 import re
 import struct
 import threading
+import time
 import warnings
 import weakref
 import zlib
@@ -70,12 +71,18 @@ REPACK_DIR = "moestream-experts"
 # bytes: a separate read costs a device round trip, worth a few hundred KB at disk speed.
 READ_RUN_BYTES = 8 * 2**20
 READ_GAP_BYTES = 256 * 2**10
-# Dropped reads are widened to this alignment: the kernel drops only whole folios in a range.
-# Reads without readahead (POSIX_FADV_RANDOM) cache single pages, but a file just written
-# (a download, a conversion, a copy) or read by another program is cached in large folios, up
-# to 2 MiB, which a range of the expert's own pages leaves cached (`_read_parts` drops them
-# once no read is in flight, so that no window drops what a concurrent read asked for).
-DROP_ALIGN = 2 * 2**20
+# Reads are dropped from the page cache in windows of this size, the largest folio the page
+# cache may hold (2 MiB on x86-64; more on arm64 with 16 or 64 KiB pages): the kernel drops
+# only whole folios in a range. Reads without readahead (POSIX_FADV_RANDOM) cache single pages,
+# but a file just written (a download, a conversion, a copy) or read by another program is
+# cached in large folios, which a drop of an expert's own pages would leave whole.
+try:
+    DROP_ALIGN = max(2 * 2**20, int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+                                    .read_text()))
+except (OSError, ValueError):
+    DROP_ALIGN = 2 * 2**20
+# a failed read's windows are dropped again for this long: what it requested may still arrive
+FAILED_DROP_SECONDS = 1.0
 # buffers one preadv takes (Linux and macOS: 1024)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
 REPACK_SCHEMA = "mlx-moestream-repack"
@@ -322,11 +329,11 @@ class ExpertStore:
 
     def __init__(self, model_dir: str | Path, drop_page_cache: bool = True,
                  repacked: str | Path | bool | None = None):
-        """`drop_page_cache`: after each read, tell the OS not to keep the pages (Linux
-        POSIX_FADV_DONTNEED, macOS F_NOCACHE), so cached file pages do not quietly add a second
-        copy of the experts on top of the budget. `repacked`: an expert-major copy made by
-        `repack` (default: `find_repacked(model_dir)` when present; False: none); used when its
-        manifest is valid, else ignored with a warning."""
+        """`drop_page_cache`: tell the OS not to keep the pages read (Linux POSIX_FADV_DONTNEED
+        once no read of them is in progress, macOS F_NOCACHE), so cached file pages do not
+        quietly add a second copy of the experts on top of the budget. `repacked`: an
+        expert-major copy made by `repack` (default: `find_repacked(model_dir)` when present;
+        False: none); used when its manifest is valid, else ignored with a warning."""
         self.model_dir = Path(model_dir)
         self.drop_page_cache = drop_page_cache
         self.files = weight_files(self.model_dir)
@@ -346,9 +353,10 @@ class ExpertStore:
         self._closer: weakref.finalize | None = None  # closes what `open` opened
         self._bounce = threading.local()  # each reader thread's page-aligned buffer
         self._reads_lock = threading.Lock()
-        self._reading = 0  # `_read_parts` in progress, on any thread
-        self._undropped: list[tuple[int, int, int]] = []  # (file, offset, bytes) read since
-        self._failed: list[tuple[int, int, int]] = []  # those of failed reads, to drop twice
+        # (file, window): how many `_read_parts` in progress read it, on any thread
+        self._in_flight: dict[tuple[int, int], int] = {}
+        # windows read and not yet dropped -> until when to drop them again (a failed read's)
+        self._undropped: dict[tuple[int, int], float] = {}
         self._expert_parents: dict[tuple[str, str], list[str]] | None = None  # see `_parent`
         self.layers: list[list[ExpertTensor]] = []
         self.alternating: list[list[list[ExpertTensor]]] = []  # per layer, those of each block
@@ -569,16 +577,20 @@ class ExpertStore:
 
     def close(self) -> None:
         if self._fds is not None:
-            self._drop(self._undropped)
-            self._undropped = []
-            self._closer()
+            try:
+                with self._reads_lock:
+                    self._drop(list(self._undropped))
+                    self._undropped.clear()
+            finally:
+                self._closer()
         self._fds = self._direct = None
 
     def forked(self) -> None:
-        """In a child forked while the store is in use: the reads in progress at the fork never
-        end here, and the lock may have been held by one of their threads."""
+        """In a child forked while the store is in use (`Runtime.forked` calls it first): the
+        reads in progress at the fork never end here, and one of their threads may have held
+        the lock."""
         self._reads_lock = threading.Lock()
-        self._reading = 0
+        self._in_flight = {}
 
     def read_expert(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """Read one expert's tensors straight into `dest` buffers, in file order, with one
@@ -721,12 +733,16 @@ class ExpertStore:
             else:
                 runs.append([file, offset, [buf], [t.name], t.nbytes])
         ranges = [(file, offset, nbytes) for file, offset, _, _, nbytes in runs]
-        ranges += [(int(ts[0].files[expert]), int(ts[0].offsets[expert]), ts[0].nbytes * ts[0].parts)
-                   for ts in self.alternating[layer]]
-        with self._reads_lock:
-            self._reading += 1
-        total, failed = 0, True
+        ranges += [(int(t[0].files[expert]), int(t[0].offsets[expert]), t[0].nbytes * t[0].parts)
+                   for t in self.alternating[layer]]
+        windows = [(file, w) for file, offset, nbytes in ranges
+                   for w in range(offset // DROP_ALIGN, -(-(offset + nbytes) // DROP_ALIGN))]
+        total, failed, counted = 0, True, False
         try:
+            with self._reads_lock:
+                for window in windows:
+                    self._in_flight[window] = self._in_flight.get(window, 0) + 1
+                counted = True
             if len(ranges) > 1 and hasattr(os, "POSIX_FADV_WILLNEED"):
                 for file, offset, nbytes in ranges:
                     os.posix_fadvise(self._fds[file], offset, nbytes, os.POSIX_FADV_WILLNEED)
@@ -738,21 +754,31 @@ class ExpertStore:
             failed = False
             return total
         finally:
-            self._read_done(ranges, failed)
+            if counted:
+                self._read_done(windows, failed)
 
-    def _read_done(self, ranges: list[tuple[int, int, int]], failed: bool) -> None:
-        """A `_read_parts` ended: the last one in progress drops what all read since. A failed
-        one's ranges are dropped again the next time (or at `close`): what it requested and
-        did not read may still be arriving, and the kernel does not drop pages in flight."""
-        with self._reads_lock:  # a read starting meanwhile waits: nothing in flight is dropped
-            self._reading -= 1
-            self._undropped += ranges
-            if failed:
-                self._failed += ranges
-            if self._reading:
-                return
-            undropped, self._undropped, self._failed = self._undropped, self._failed, []
-            self._drop(undropped)
+    def _read_done(self, windows: list[tuple[int, int]], failed: bool) -> None:
+        """A `_read_parts` ended: drop every window read that no read in progress reads (one
+        dropped under a concurrent read would take what it requested and has not read). A
+        failed read's windows are dropped again at every drop for `FAILED_DROP_SECONDS`: what
+        it requested and did not read may still be arriving, and the kernel does not drop
+        pages in flight."""
+        now = time.monotonic()
+        until = now + FAILED_DROP_SECONDS if failed else 0.0
+        with self._reads_lock:  # a read starting meanwhile waits for the drop
+            in_flight, undropped = self._in_flight, self._undropped
+            for window in windows:
+                left = in_flight[window] - 1
+                if left:
+                    in_flight[window] = left
+                else:
+                    del in_flight[window]
+                undropped[window] = max(undropped.get(window, 0.0), until)
+            ready = [window for window in undropped if window not in in_flight]
+            self._drop(ready)
+            for window in ready:
+                if undropped[window] <= now:
+                    del undropped[window]
 
     def _read_rows(self, layer: int, expert: int, dest: dict[str, np.ndarray]) -> int:
         """The expert's tensors whose rows alternate (`ExpertTensor.rows`): their block in one
@@ -838,12 +864,17 @@ class ExpertStore:
                 f"model again"
             )
 
-    def _drop(self, ranges: list[tuple[int, int, int]]) -> None:
-        """Drop read (file, offset, bytes) ranges from the page cache, when the store does
-        (Linux), each widened to `DROP_ALIGN`."""
-        if self.drop_page_cache and hasattr(os, "posix_fadvise"):
-            windows = {(file, offset // DROP_ALIGN, -(-(offset + nbytes) // DROP_ALIGN))
-                       for file, offset, nbytes in ranges}  # nearby pieces share theirs
-            for file, first, end in windows:
-                os.posix_fadvise(self._fds[file], first * DROP_ALIGN, (end - first) * DROP_ALIGN,
-                                 os.POSIX_FADV_DONTNEED)
+    def _drop(self, windows: list[tuple[int, int]]) -> None:
+        """Drop (file, window) windows from the page cache, when the store does (Linux): one
+        call per run of adjacent ones."""
+        if not (self.drop_page_cache and hasattr(os, "posix_fadvise")) or self._fds is None:
+            return
+        runs: list[list[int]] = []  # [file, first window, end]
+        for file, window in sorted(windows):
+            if runs and runs[-1][0] == file and runs[-1][2] == window:
+                runs[-1][2] += 1
+            else:
+                runs.append([file, window, window + 1])
+        for file, first, end in runs:
+            os.posix_fadvise(self._fds[file], first * DROP_ALIGN, (end - first) * DROP_ALIGN,
+                             os.POSIX_FADV_DONTNEED)

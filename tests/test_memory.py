@@ -40,8 +40,9 @@ def test_active_memory_stays_within_dense_plus_budget_plus_kv(tiny_model):
     assert m["peak"] <= 1.1 * (m["dense"] + m["budget"] + m["kv"])
 
 
-def _cached_bytes(path) -> int:
-    """Bytes of a file in the page cache now (mincore over a map of it)."""
+def _cached_bytes(path, offset: int = 0, nbytes: int | None = None) -> int:
+    """Bytes of a file (or of `nbytes` at `offset`) in the page cache now, in whole pages
+    (mincore over a map of it)."""
     import ctypes
     import ctypes.util
     import mmap
@@ -56,8 +57,10 @@ def _cached_bytes(path) -> int:
     pages = ctypes.create_string_buffer(-(-len(mapped) // mmap.PAGESIZE))
     assert libc.mincore(data.ctypes.data, len(mapped), pages) == 0, ctypes.get_errno()
     del data
+    end = len(mapped) if nbytes is None else offset + nbytes
     mapped.close()
-    return sum(b & 1 for b in pages.raw) * mmap.PAGESIZE
+    first, last = offset // mmap.PAGESIZE, -(-end // mmap.PAGESIZE)
+    return sum(b & 1 for b in pages.raw[first:last]) * mmap.PAGESIZE
 
 
 def _dropped(path) -> None:
@@ -157,7 +160,8 @@ def test_pages_a_failed_read_requested_leave_the_page_cache(page_cache_model, mo
 
     model, _ = mlx_moestream.load(page_cache_model, budget="25%")
     store = model.moestream.store
-    dest = {name: np.empty_like(view) for name, view in model.moestream.layer_pool[0].slot(0).items()}
+    slot = model.moestream.layer_pool[0].slot(0)
+    dest = {name: np.empty_like(view) for name, view in slot.items()}
     shard = page_cache_model / "model.safetensors"
     _dropped(shard)
     first = min(int(t.offsets[3]) for t in store.layers[0])
@@ -174,3 +178,59 @@ def test_pages_a_failed_read_requested_leave_the_page_cache(page_cache_model, mo
     time.sleep(0.5)  # what it requested has landed
     store.read_expert(0, 4, dest)
     assert _cached_bytes(shard) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
+def test_a_read_is_dropped_while_another_read_is_in_flight(page_cache_model, monkeypatch):
+    """Reads of every expert on four threads (a load whose budget holds them all, read expert
+    by expert) were never all done at once, and each drop waited for that: the whole file
+    stayed cached until the load ended. A read's pages now go once no read in progress
+    reads near them."""
+    import os
+    import threading
+
+    import numpy as np
+
+    import mlx_moestream
+    from mlx_moestream.store import DROP_ALIGN
+
+    model, _ = mlx_moestream.load(page_cache_model, budget="25%")
+    store = model.moestream.store
+    shard = page_cache_model / "model.safetensors"
+
+    def pieces(layer, expert):
+        return [(int(t.offsets[expert]), t.nbytes) for t in store.layers[layer]]
+
+    def windows(layer, expert):
+        return {w for o, n in pieces(layer, expert)
+                for w in range(o // DROP_ALIGN, -(-(o + n) // DROP_ALIGN))}
+
+    held, other = (3, 0), (1, 0)  # their pieces lie in other 2 MiB windows of the file
+    if windows(*held) & windows(*other):
+        pytest.skip("the two experts' pieces share a window of the page cache's largest folio")
+    first = min(o for o, _ in pieces(*held))
+    reading, release = threading.Event(), threading.Event()
+    preadv = os.preadv
+
+    def held_preadv(fd, bufs, offset, *flags):
+        if offset == first:
+            reading.set()
+            release.wait(30)
+        return preadv(fd, bufs, offset, *flags)
+
+    def buffers():
+        slot = model.moestream.layer_pool[0].slot(0)
+        return {name: np.empty_like(view) for name, view in slot.items()}
+
+    monkeypatch.setattr(os, "preadv", held_preadv)
+    _dropped(shard)
+    reader = threading.Thread(target=store.read_expert, args=(*held, buffers()))
+    reader.start()
+    try:
+        assert reading.wait(30)
+        store.read_expert(*other, buffers())
+        cached = sum(_cached_bytes(shard, o, n) for o, n in pieces(*other))
+    finally:
+        release.set()
+        reader.join()
+    assert cached == 0
