@@ -412,18 +412,25 @@ class Runtime:
         self.stats.loads[layer] += experts
 
     def _load(self, layer: int, loads: list[tuple[int, int]]) -> None:
-        """Read the missing experts of a call: one here, several concurrently. However the
-        wait ends (a failed read, Ctrl-C under a SIGINT handler not ours, an OSError), no slot
-        is left claiming bytes that never landed: a read cut short here is forgotten, one not
-        yet started too, and those still running are finished by the next call
-        (`unfinished`)."""
-        if len(loads) == 1:
-            (expert, slot), = loads
-            self._finish(layer, [(expert, partial(self.read, layer, expert, slot))])
+        """Read the missing experts of a call: the first here, the others meanwhile on the I/O
+        threads (handing every read to a thread and waiting cost 3% of a token on the embedded
+        model). However the wait ends (a failed read, Ctrl-C under a SIGINT handler not ours,
+        an OSError), no slot is left claiming bytes that never landed: a read cut short here
+        is forgotten, one not yet started too, and those still running are finished by the
+        next call (`unfinished`)."""
+        (expert, slot), others = loads[0], loads[1:]
+        here = (expert, partial(self.read, layer, expert, slot))
+        if not others:
+            self._finish(layer, [here])
             return
-        reads: list[tuple[int, Future]] = []
+        reads: list[tuple[int, Future | Callable]] = []
         self.unfinished.append((layer, reads))
-        self.submit_reads(layer, loads, reads)
+        try:
+            self.submit_reads(layer, others, reads)
+        except BaseException:
+            self.forget(layer, expert)
+            raise
+        reads.insert(0, here)
         self._finish_unfinished()
 
     def submit_reads(self, layer: int, loads: list[tuple[int, int]],

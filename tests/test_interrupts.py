@@ -302,14 +302,16 @@ def _stale_experts(runtime) -> list[tuple[int, int]]:
     return stale
 
 
-@pytest.mark.parametrize("reader", ["prompt", "prefetch"])
+@pytest.mark.parametrize("reader", ["prompt", "prefetch", "decode"])
 def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, monkeypatch, reader):
     """A background read that cannot start (no thread could start; the pool shut down): the
     experts placed for it and for those after it must leave their slots, and a read started
-    before it must be finished by the next call, not left to land in a slot given away."""
+    before it must be finished by the next call, not left to land in a slot given away. A
+    one-token call missing several experts reads the first itself once the others started:
+    it must leave its slot too."""
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="25%", prefetch=reader == "prefetch")
-    if reader == "prompt":
+    if reader != "prefetch":
         greedy_logits(model)  # the cache full: the experts placed take slots others held
     runtime = model.moestream
     original, submits, predicting = runtime.io.submit, itertools.count(), threading.Event()
@@ -317,11 +319,13 @@ def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, mo
         after, fail_at = runtime.prefetch.after, 0
         monkeypatch.setattr(runtime.prefetch, "after",
                             lambda *a: (predicting.set(), after(*a), predicting.clear()))
-    else:  # the prompt's second read fails: the first one is left running
+    elif reader == "prompt":  # the prompt's second read fails: the first one is left running
         fail_at = 1
+    else:  # the first call missing two experts: the one it would read itself never starts
+        fail_at = 0
 
     def failing(*args):
-        if (reader == "prompt" or predicting.is_set()) and next(submits) == fail_at:
+        if (reader != "prefetch" or predicting.is_set()) and next(submits) == fail_at:
             raise RuntimeError("can't start new thread")
         return original(*args)
 
@@ -330,12 +334,17 @@ def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, mo
         if reader == "prompt":  # a short prompt: its experts fit, read while it computes
             for prompt in ([[5, 9, 13]], [[21, 30, 44]], [[2, 50, 61]]):
                 model(mx.array(prompt))
+        elif reader == "decode":
+            for token in range(3, 500):
+                mx.eval(model(mx.array([[token]])))
         else:
             greedy_logits(model, decode_tokens=8)
     monkeypatch.undo()
     runtime.settle()
-    hits = np.flatnonzero(runtime.slot_map(0) >= 0)[None, None]
-    runtime.route(0, hits)  # a call (of hits: it evicts nothing) finishes the reads left running
+    layer = next(layer for layer in range(runtime.plan.num_layers)
+                 if (runtime.slot_map(layer) >= 0).any())
+    hits = np.flatnonzero(runtime.slot_map(layer) >= 0)[None, None]
+    runtime.route(layer, hits)  # a call of hits (it evicts nothing) finishes the reads left running
     assert _stale_experts(runtime) == []
     assert _equals_stock(model, reference(path))
 
