@@ -4,6 +4,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import mlx.core as mx
@@ -223,3 +224,31 @@ def test_a_child_forked_after_load_reads_experts_on_its_own_threads(tiny_model, 
     assert os.waitstatus_to_exitcode(done[1]) == 0
     assert all(mx.array_equal(a, b).item()  # the parent goes on
                for a, b in zip(greedy_logits(model), reference(path)))
+
+
+def test_a_read_left_by_a_call_cut_short_does_not_reopen_a_closed_model(model_copy,
+                                                                        monkeypatch):
+    """A call missing several experts reads the first itself, after starting the others: cut
+    short before (here, an error finishing what an earlier call left), that read stays to make,
+    and `stats()` after `close()` made it, opening the closed model's files again."""
+    from mlx_moestream.runtime import Runtime
+
+    path = model_copy("qwen3_moe")  # files no other test's model holds open
+    model, _ = mlx_moestream.load(path, budget="25%")
+    greedy_logits(model, decode_tokens=4)  # the cache full: calls miss
+    runtime, finish = model.moestream, Runtime._finish_unfinished
+
+    def cut_short(self, until=None):
+        if any(not isinstance(read, Future) for _, reads in self.unfinished for _, read in reads):
+            raise OSError("cut short")
+        return finish(self, until)
+
+    monkeypatch.setattr(Runtime, "_finish_unfinished", cut_short)
+    with pytest.raises(OSError, match="cut short"):
+        for token in range(3, 500):
+            mx.eval(model(mx.array([[token]])))
+    monkeypatch.undo()
+    runtime.close()
+    mlx_moestream.stats(model)
+    open_files = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert str(path / "model.safetensors") not in open_files
