@@ -221,6 +221,33 @@ def test_a_read_cut_short_by_any_exception_leaves_no_stale_slot(tiny_model, refe
     assert _equals_stock(model, reference(path))
 
 
+def test_a_call_s_own_read_failing_while_its_others_run_leaves_no_stale_slot(tiny_model,
+                                                                             reference,
+                                                                             monkeypatch):
+    """A call missing several experts reads the first itself while the I/O threads read the
+    others: an error in its own read (not a StoreError) ends the call with the others still
+    running, which the next call must finish, the failed expert forgotten."""
+    path = tiny_model("qwen3_moe", bits=4)
+    model, _ = mlx_moestream.load(path, budget="25%")
+    greedy_logits(model)  # the cache full: the expert cut short takes a slot another held
+    runtime = model.moestream
+    original, failed = runtime.store.read_expert, []
+
+    def failing(*args):
+        if threading.current_thread() is threading.main_thread() and runtime.unfinished:
+            failed.append(args[:2])  # the others of its call are on the I/O threads
+            raise OSError(5, "Input/output error")
+        return original(*args)
+
+    monkeypatch.setattr(runtime.store, "read_expert", failing)
+    with pytest.raises(OSError):
+        greedy_logits(model, decode_tokens=16)
+    monkeypatch.undo()
+    assert len(failed) == 1 and runtime.unfinished
+    assert _equals_stock(model, reference(path))
+    assert _stale_experts(runtime) == []
+
+
 def test_a_read_that_ends_as_ctrl_c_cuts_its_wait_short_is_counted(tiny_model, monkeypatch):
     """Ctrl-C lands in the wait for a prompt's background read just as the read ends: the read
     was forgotten as failed, its bytes left out of `loads` and `bytes_read` (2.6% of them over
