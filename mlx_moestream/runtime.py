@@ -129,8 +129,7 @@ class Runtime:
         self.io = _started_pool(io_threads)
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
-        # (layer, reads) a call left running or to make (see `_load`), for the next to finish
-        self.unfinished: list[tuple[int, list]] = []
+        self.unfinished: list[tuple[int, list]] = []  # (layer, reads) a call left running
         self.closed = False  # see `close`
         # a backend that counts routing after the fact (all experts resident) flushes it here,
         # and leaves the calls made before a trace began out of it
@@ -432,7 +431,13 @@ class Runtime:
             self.forget(layer, expert)
             raise
         reads.insert(0, here)
-        self._finish_unfinished()
+        try:
+            self._finish_unfinished()
+        except BaseException:
+            if reads and reads[0] is here:  # cut short before it began: never to be made later
+                self.forget(layer, expert)  # (by `stats()` after `close()`, it opened the
+                reads.pop(0)  # files again)
+            raise
 
     def submit_reads(self, layer: int, loads: list[tuple[int, int]],
                      started: list[tuple[int, Future]]) -> None:
@@ -455,16 +460,11 @@ class Runtime:
         read)`), counting each as it ends and taking it off `reads`. A read that ended in an
         error is forgotten: a StoreError is raised once all have ended, anything else at once
         (a read made here and cut short ended in it). An interrupt while a future runs leaves
-        it in `reads`, for the next call to finish. A read to make, left by a call cut short,
-        is forgotten once the model is closed: it would open the files again."""
+        it in `reads`, for the next call to finish."""
         start, failed = time.perf_counter(), None
         try:
             while reads:
                 expert, read = reads[0]
-                if self.closed and not isinstance(read, Future):
-                    self.forget(layer, expert)
-                    reads.pop(0)
-                    continue
                 try:
                     result = read.result() if isinstance(read, Future) else read()
                 except BaseException as e:
@@ -643,7 +643,7 @@ class Runtime:
                 "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
 
     def _finish_pending_reads(self) -> None:
-        """Finish the reads in flight (a prefetch's, those a call cut short left), as
+        """Finish the reads in flight (a prefetch's, those a call cut short left running), as
         a layer call would, before the residency is read or changed outside a call. A failed
         one is counted in read_errors and its expert forgotten: the next call that needs it
         reads it again and reports the error. Callers hold the lock."""
