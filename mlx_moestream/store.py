@@ -336,6 +336,8 @@ class ExpertStore:
         False: none); used when its manifest is valid, else ignored with a warning."""
         self.model_dir = Path(model_dir)
         self.drop_page_cache = drop_page_cache
+        # pages read are dropped by posix_fadvise (Linux; macOS reads them uncached)
+        self._drops = drop_page_cache and hasattr(os, "posix_fadvise")
         self.files = weight_files(self.model_dir)
         # what each file was before it was indexed: a read checks the file still is (see
         # `_read_run`), so a rewrite even while the headers are read fails every read of it
@@ -657,7 +659,7 @@ class ExpertStore:
             bufs.append(buf)
             at = offset + len(buf)
         self._read_run(run.file, run.offset, bufs, run.nbytes, run.where)
-        if self.drop_page_cache and hasattr(os, "posix_fadvise"):  # the gaps' pages stay: they
+        if self._drops:  # the gaps' pages stay: they
             fd = self._fds[run.file]  # hold dense weights, which the model reads next
             for offset, _, _, buf in run.pieces:
                 os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
@@ -697,7 +699,7 @@ class ExpertStore:
             if _identity(_stat(path)) != identity:
                 raise StoreError(f"{path}: changed on disk while the model loaded (size, "
                                  f"modification or status change time): load it again")
-        if self.drop_page_cache and self._fds is not None and hasattr(os, "posix_fadvise"):
+        if self._drops and self._fds is not None:
             for fd in self._fds:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
@@ -736,7 +738,8 @@ class ExpertStore:
         ranges += [(int(t[0].files[expert]), int(t[0].offsets[expert]), t[0].nbytes * t[0].parts)
                    for t in self.alternating[layer]]
         windows = [(file, w) for file, offset, nbytes in ranges
-                   for w in range(offset // DROP_ALIGN, -(-(offset + nbytes) // DROP_ALIGN))]
+                   for w in range(offset // DROP_ALIGN, -(-(offset + nbytes) // DROP_ALIGN))
+                   ] if self._drops else []
         total, failed, counted = 0, True, False
         try:
             with self._reads_lock:
@@ -867,7 +870,7 @@ class ExpertStore:
     def _drop(self, windows: list[tuple[int, int]]) -> None:
         """Drop (file, window) windows from the page cache, when the store does (Linux): one
         call per run of adjacent ones."""
-        if not (self.drop_page_cache and hasattr(os, "posix_fadvise")) or self._fds is None:
+        if not self._drops or self._fds is None:
             return
         runs: list[list[int]] = []  # [file, first window, end]
         for file, window in sorted(windows):

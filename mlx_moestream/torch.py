@@ -161,21 +161,22 @@ def _refuse_converting(lm: torch.nn.Module, experts: list[torch.nn.Module]) -> N
     experts, are refused before anything converts: they would copy every expert out of the
     memory reads land in, all at once whatever the budget (on a real model, out of memory
     before the next call could refuse the copies), and leave the model half converted."""
-    params = [param for module in experts for _, param in _expert_params(module)]
+    kinds = {(param.dtype, param.device) for module in experts
+             for _, param in _expert_params(module)}
     for module in [lm, *experts]:
-        module._apply = partial(_guarded_apply, module._apply, params)
+        module._apply = partial(_guarded_apply, module._apply, kinds)
 
 
-def _guarded_apply(apply: Callable, params: list[torch.nn.Parameter], fn: Callable, *args,
-                   **kwargs):
-    for param in params:  # what `fn` makes of an empty tensor like each: no expert is touched
-        probe = fn(torch.empty(0, dtype=param.dtype, device=param.device))
-        if probe.dtype != param.dtype or probe.device != param.device:
+def _guarded_apply(apply: Callable, kinds: set[tuple[torch.dtype, torch.device]], fn: Callable,
+                   *args, **kwargs):
+    for dtype, device in kinds:  # what `fn` makes of an empty tensor like the experts'
+        probe = fn(torch.empty(0, dtype=dtype, device=device))
+        if probe.dtype != dtype or probe.device != device:
             raise ModelError(
                 f"the streamed experts cannot be converted to {probe.dtype} on {probe.device} "
-                f"(model.to, .half, ...): they are read in the checkpoint's dtype "
-                f"({param.dtype}) to the device they were loaded on ({param.device}); load the "
-                f"model on the device wanted, and convert nothing")
+                f"(model.to, .half, ...): they are read in the checkpoint's dtype ({dtype}) to "
+                f"the device they were loaded on ({device}); load the model on the device "
+                f"wanted, and convert nothing")
     return apply(fn, *args, **kwargs)
 
 
