@@ -8,13 +8,14 @@ do, so a torch user (`mlx_moestream.torch.load`) and the CLI's help import witho
 from importlib.metadata import PackageNotFoundError, version
 
 from . import stats as _stats_module  # noqa: F401  first: a later import would rebind `stats`
+from .errors import MoestreamError
 
 try:
     __version__ = version("mlx-moestream")
 except PackageNotFoundError:  # imported from a plain checkout, as the scripts allow
     __version__ = "0+checkout"
-__all__ = ["host_stats", "load", "prewarm", "profile", "run_text", "save_profile", "save_trace",
-           "start_trace", "stats"]
+__all__ = ["MoestreamError", "host_stats", "load", "prewarm", "profile", "run_text",
+           "save_profile", "save_trace", "start_trace", "stats"]
 
 
 def stats(model) -> dict:

@@ -11,6 +11,8 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+from .errors import BudgetError
+
 UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -20,9 +22,6 @@ UNITS = {
 AUTO_RESERVE_FRACTION = 0.25
 AUTO_RESERVE_MIN_BYTES = 2 * 2**30
 
-
-class BudgetError(ValueError):
-    """A budget that cannot be parsed or is too small to run the model."""
 
 
 NUMBER = r"\s*([0-9]*\.?[0-9]+)\s*"  # plain decimals: no sign, exponent, nan or inf

@@ -19,7 +19,8 @@ from typing import Callable
 import click
 from jinja2 import TemplateError
 
-from .budget import BudgetError, format_bytes, resolve_budget
+from .budget import format_bytes, resolve_budget
+from .errors import BudgetError
 from .policies import DEFAULT_POLICY, POLICIES
 
 LIVE_POLICIES = [name for name in POLICIES if name != "belady"]  # belady needs the future

@@ -10,6 +10,8 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
+from .errors import ModelError
+
 # Files a model needs, as mlx-lm downloads them (Kimi's tokenizer is tiktoken.model alone);
 # the hub may hold much more (other formats, originals).
 HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
@@ -19,9 +21,6 @@ HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.ti
 # A small trained bilingual (Italian/English) + Python MoE shipped with the package.
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "embedded"
 
-
-class ModelError(ValueError):
-    """A model that cannot be found, read by mlx-lm, or streamed."""
 
 
 def check_tokenizer(path: Path, tokenizer) -> None:

@@ -19,7 +19,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from .budget import available_memory_bytes, resolve_budget
-from .hub import ModelError, check_tokenizer, resolve_model_path
+from .errors import ModelError
+from .hub import check_tokenizer, resolve_model_path
 from .mlx_backend import MLXSlotPool, attach, plan_model
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY

@@ -33,11 +33,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from .hub import ModelError
+from .errors import ModelError, NotCopyableError, StoreError
 from .interrupts import CRITICAL
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
-from .runtime import Runtime, SlotPool, not_copyable
-from .store import StoreError
+from .runtime import Runtime, SlotPool
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
 SORTED_IDS = 64  # SwitchGLU and SwitchMLP sort a call of this many ids or more (`do_sort`)
@@ -133,7 +132,7 @@ class PooledExperts(nn.Module):
     def __reduce__(self):
         """Pickling the model reaches its experts modules before the runtime: they refuse as
         it does (their experts are in its slot pools)."""
-        raise not_copyable()
+        raise NotCopyableError()
 
     def start_routing(self, indices: mx.array) -> None:
         """Start computing a call's routed ids, which its host sync then waits for. MLX refuses

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .interrupts import CRITICAL
-from .store import StoreError
+from .errors import StoreError
 
 if TYPE_CHECKING:
     from .runtime import Runtime

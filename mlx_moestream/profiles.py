@@ -17,15 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import ProfileError
 from .files import atomic_write_text, check_replaceable
 
 SCHEMA = "mlx-moestream-profile"
 VERSION = 1
 ENV_DIR = "MLX_MOESTREAM_PROFILES"
 
-
-class ProfileError(ValueError):
-    """A profile that cannot be found, parsed, or applied to this model."""
 
 
 @dataclass

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import StoreError
 from .files import atomic_write, atomic_write_text, check_replaceable
-from .store import (REPACK_SCHEMA, StoreError, manifest_checksum, read_manifest, repack_dir,
+from .store import (REPACK_SCHEMA, manifest_checksum, read_manifest, repack_dir,
                     source_digest, weight_files)
 
 

@@ -22,9 +22,9 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .budget import BudgetError, format_bytes
+from .budget import format_bytes
 from .cache import ExpertCache, check_shares, make_held, split_slots
-from .hub import ModelError
+from .errors import BudgetError, ClosedError, NotCopyableError, StoreError
 from .interrupts import CRITICAL, install_handler
 from .plan import ExpertLayer, ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
@@ -32,7 +32,7 @@ from .prefetch import Prefetch, only_the_wait_failed
 from .profiles import Profile
 from .stats import Stats, ratio
 from .trace import TraceRecorder
-from .store import ExpertStore, Run, StoreError
+from .store import ExpertStore, Run
 
 
 # A call of many tokens reads its misses in at most this many groups (of at least top-k
@@ -252,7 +252,7 @@ class Runtime:
         reads in flight, count, record, mask. Returns (distinct experts in order, ids), or None
         when the call must be computed by `rounds` or computes nothing."""
         if self.closed and compute:
-            raise _closed()
+            raise ClosedError()
         if self.held:  # the backend did not tally the previous call
             self.tally()
         self._finish_reads(layer)
@@ -452,7 +452,7 @@ class Runtime:
             for expert, _ in loads[len(started) :]:
                 self.forget(layer, expert)
             if self.closed and isinstance(e, RuntimeError):  # closed by another thread since
-                raise _closed() from None  # the call began: the pool refuses new reads
+                raise ClosedError() from None  # the call began: the pool refuses new reads
             raise
 
     def _finish(self, layer: int, reads: list[tuple[int, Future | Callable]]) -> None:
@@ -578,7 +578,7 @@ class Runtime:
         `progress(items, label)` is a context manager wrapping the reads."""
         profile.check_model(self.plan.identity)
         if self.closed:
-            raise _closed()
+            raise ClosedError()
         with self.lock:  # as a layer call: another thread's is never in between
             self._finish_pending_reads()  # a pin must not take an expert whose read may yet fail
             self.count_all()
@@ -609,7 +609,7 @@ class Runtime:
         loaded = nbytes = 0
         for layer, expert in picks:
             if self.closed:  # by another thread, meanwhile: the store must stay closed
-                raise _closed()
+                raise ClosedError()
             cache = self.layer_cache[layer]
             with CRITICAL:
                 slot = cache.admit(layer, expert)
@@ -696,7 +696,7 @@ class Runtime:
     def __reduce__(self):
         """`copy.deepcopy` and pickling of a model reach its runtime: its open files, threads
         and slot pools cannot be copied."""
-        raise not_copyable()
+        raise NotCopyableError()
 
     def close(self) -> None:
         """Finish the reads in flight and close the files; the model cannot stream after. A
@@ -752,12 +752,3 @@ def _started_pool(threads: int) -> ThreadPoolExecutor:
         raise
     return pool
 
-
-def not_copyable() -> ModelError:
-    return ModelError("a streamed model cannot be copied or pickled (it holds open files, "
-                      "I/O threads and slot pools): load it again instead")
-
-
-def _closed() -> RuntimeError:
-    return RuntimeError("this model was closed (moestream.close()): load it again to stream "
-                        "its experts")

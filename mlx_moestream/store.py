@@ -23,6 +23,8 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import StoreError
+
 # safetensors dtype -> numpy dtype of the raw bytes (bf16 and fp8 are read as raw integers).
 RAW_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -115,9 +117,6 @@ def find_repacked(model_dir: Path) -> Path:
             return found
     return folder
 
-
-class StoreError(ValueError):
-    """A model's files cannot serve its experts; the message names the file or tensor."""
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,15 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import initialization as init
 
-from .budget import BudgetError, available_memory_bytes, resolve_budget
-from .hub import ModelError, check_tokenizer, resolve_model_path
+from .budget import available_memory_bytes, resolve_budget
+from .errors import BudgetError, ModelError, StoreError
+from .hub import check_tokenizer, resolve_model_path
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
 from .runtime import Runtime, SlotPool, check_options
 from .session import as_profile
-from .store import ExpertStore, StoreError
+from .store import ExpertStore
 
 # safetensors dtype -> (torch dtype, its name in plans)
 DTYPES = {"F32": (torch.float32, "float32"), "BF16": (torch.bfloat16, "bfloat16"),

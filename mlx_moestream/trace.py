@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import TraceError
 from .files import WRITER, atomic_write, check_replaceable
 
 _REQUIRED = ("experts", "num_experts")
@@ -30,9 +31,6 @@ MAX_TRACE_BYTES = 4 * 2**30
 _OPTIONAL = ("weights", "segment_id")
 _MAX_EXPERTS = int(np.iinfo(np.int16).max) + 1
 
-
-class TraceError(ValueError):
-    """A routing trace that is missing, unreadable or malformed."""
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ import time
 
 import mlx_moestream
 from mlx_moestream import cli
-from mlx_moestream.store import StoreError
+from mlx_moestream.errors import StoreError
 from mlx_moestream.testing import greedy_logits
 
 path, mode, step = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -7,9 +7,8 @@ import struct
 import pytest
 
 import mlx_moestream
-from mlx_moestream.budget import BudgetError
-from mlx_moestream.hub import ModelError
-from mlx_moestream.store import ExpertStore, StoreError
+from mlx_moestream.errors import BudgetError, ModelError, StoreError
+from mlx_moestream.store import ExpertStore
 
 
 def fail_reads_at(monkeypatch, runtime, layer: int, experts) -> None:
@@ -242,6 +241,13 @@ def test_budget_below_minimum_states_the_minimum(tiny_model):
     with pytest.raises(BudgetError, match=r"budget 48\.0 KiB \(49151 bytes\) is below the "
                                           r"minimum 48\.0 KiB \(49152 bytes\)"):
         mlx_moestream.load(tiny_model("qwen3_moe"), budget=49151)
+
+
+
+@pytest.mark.parametrize("budget, profile", [(49151, None), ("50%", "no-such-profile")])
+def test_every_refusal_is_caught_as_a_moestream_error(tiny_model, budget, profile):
+    with pytest.raises(mlx_moestream.MoestreamError):
+        mlx_moestream.load(tiny_model("qwen3_moe"), budget=budget, profile=profile)
 
 
 def test_unknown_policy_is_rejected(tiny_model):

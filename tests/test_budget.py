@@ -5,9 +5,9 @@ import pytest
 
 import mlx_moestream
 from mlx_moestream import budget, loader
-from mlx_moestream.budget import (BudgetError, auto_budget, available_memory_bytes,
-                                  cgroup_headrooms, format_bytes, parse_size, resolve_budget,
-                                  vm_stat_available)
+from mlx_moestream.budget import (auto_budget, available_memory_bytes, cgroup_headrooms,
+                                  format_bytes, parse_size, resolve_budget, vm_stat_available)
+from mlx_moestream.errors import BudgetError
 
 GiB = 2**30
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_moestream import cli
 from mlx_moestream.cache import ExpertCache
-from mlx_moestream.store import StoreError
+from mlx_moestream.errors import StoreError
 from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
 import mlx_moestream

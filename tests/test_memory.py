@@ -156,7 +156,7 @@ def test_pages_a_failed_read_requested_leave_the_page_cache(page_cache_model, mo
     import numpy as np
 
     import mlx_moestream
-    from mlx_moestream.store import StoreError
+    from mlx_moestream.errors import StoreError
 
     model, _ = mlx_moestream.load(page_cache_model, budget="25%")
     store = model.moestream.store

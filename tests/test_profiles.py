@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import mlx_moestream
-from mlx_moestream.profiles import Profile, ProfileError, find
+from mlx_moestream.errors import ProfileError, StoreError
+from mlx_moestream.profiles import Profile, find
 from mlx_moestream.replay import token_hits
-from mlx_moestream.store import StoreError
 from mlx_moestream.trace import Trace
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 3

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import mlx_moestream
+from mlx_moestream.errors import StoreError
 from mlx_moestream.repack import repack, verify
-from mlx_moestream.store import (ExpertStore, StoreError, index_file, manifest_checksum,
-                                  repack_dir)
+from mlx_moestream.store import ExpertStore, index_file, manifest_checksum, repack_dir
 
 from mlx_moestream.testing import greedy_logits
 

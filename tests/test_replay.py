@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mlx_moestream.replay import _segments, capacity_slots, plot_sweep, replay, sweep, trace_profile
-from mlx_moestream.trace import Trace, TraceError, TraceRecorder, synthetic_trace
+from mlx_moestream.errors import TraceError
+from mlx_moestream.trace import Trace, TraceRecorder, synthetic_trace
 
 CAPACITIES = [0.1, 0.25, 0.5]
 

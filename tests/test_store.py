@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mlx_moestream.store import ExpertStore, StoreError
+from mlx_moestream.errors import StoreError
+from mlx_moestream.store import ExpertStore
 
 SHAPES = {"gate_proj.weight": (32, 64), "up_proj.weight": (32, 64), "down_proj.weight": (64, 32)}
 
@@ -174,7 +175,7 @@ def test_refused_loads_and_dropped_models_leave_no_file_open(tiny_model):
     model dropped without `close()`: their descriptors close, not one per load for good."""
     import gc
 
-    from mlx_moestream.budget import BudgetError
+    from mlx_moestream.errors import BudgetError
 
     path = tiny_model("qwen3_moe", bits=4)
     mlx_moestream.load(path, budget="25%")  # what a first load opens for good (libraries)

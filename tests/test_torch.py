@@ -20,8 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import mlx_moestream  # noqa: E402
 import mlx_moestream.torch as moestream_torch  # noqa: E402
-from mlx_moestream.budget import BudgetError  # noqa: E402
-from mlx_moestream.hub import ModelError  # noqa: E402
+from mlx_moestream.errors import BudgetError, ModelError  # noqa: E402
 from mlx_moestream.store import ExpertStore  # noqa: E402
 from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, WIDER, make_tiny_hf_moe  # noqa: E402
 
@@ -263,7 +262,7 @@ def test_a_failed_read_into_a_slot_pool_leaves_no_stale_expert(hf_model, slot_po
                                                                monkeypatch):
     """The expert whose read failed leaves its slot, its staging buffer is returned, and the
     next generation reads it again: equal to the loaded model."""
-    from mlx_moestream.store import StoreError
+    from mlx_moestream.errors import StoreError
 
     path = hf_model("qwen3_moe", wide=True)
     expected = run(transformers.AutoModelForCausalLM.from_pretrained(
