@@ -240,7 +240,7 @@ class StreamingExperts(PooledExperts):
                 if slots is None:
                     return self._in_rounds(x, ids)
                 if predicted is not None:  # read while this call computes
-                    prefetch.after(self.layer, predicted)
+                    runtime.read_ahead(self.layer, predicted)
                 y = self.inner(x, _slot_ids(slots))
             else:  # several tokens: compute while the misses are read
                 chunks = runtime.route_chunks(self.layer, ids)

@@ -15,9 +15,7 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -28,8 +26,9 @@ from .errors import BudgetError, ClosedError, NotCopyableError, StoreError
 from .interrupts import CRITICAL, install_handler
 from .plan import ExpertLayer, ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
-from .prefetch import Prefetch, only_the_wait_failed
+from .prefetch import Prefetch
 from .profiles import Profile
+from .reads import Group, Reads
 from .stats import Stats, ratio
 from .trace import TraceRecorder
 from .store import ExpertStore, Run
@@ -125,11 +124,10 @@ class Runtime:
         self.call_experts = plan.num_experts if whole_calls else plan.top_k
         self.policy = policy
         self.recorder: TraceRecorder | None = None  # while recording routing (`start_trace`)
-        self.io_threads = io_threads
-        self.io = _started_pool(io_threads)
+        self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
+        self.reads = Reads(io_threads, self._read, self.forget, self.stats)
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
-        self.unfinished: list[tuple[int, list]] = []  # (layer, reads) a call left running
         self.closed = False  # see `close`
         # a backend that counts routing after the fact (all experts resident) flushes it here,
         # and leaves the calls made before a trace began out of it
@@ -145,7 +143,6 @@ class Runtime:
         # wraps a wait on the other hosts: ends the process when they stop answering
         self.watchdog: AbstractContextManager = nullcontext()
         self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
-        self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
         self.store_layer = [
             store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
                             l.total_experts or l.num_experts,
@@ -179,7 +176,7 @@ class Runtime:
         expert has a slot: each misses once a session, and predicting on every token would
         cost more than reading ahead saves."""
         if not self.holds_all:
-            self.prefetch = Prefetch(self)
+            self.prefetch = Prefetch(self.layer_cache, self.stats)
 
     def capacity(self, layer: int) -> int:
         return self.layer_cache[layer].capacity(layer)
@@ -221,28 +218,24 @@ class Runtime:
             loads = self._decide(layer, experts)
             self._reading(layer, experts)
             size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
-            reads: list[tuple[int, Future]] = []
-            self.unfinished.append((layer, reads))
-            self.submit_reads(layer, loads, reads)
-            groups = [reads[i : i + size] for i in range(0, len(reads), size)]
-            self.unfinished[-1:] = [(layer, group) for group in groups]
+            groups = self.reads.start(layer, loads, size)
             slots = self.layer_cache[layer].slots(layer, ids)
-        return self._chunks(ids, slots, groups)
+        return self._chunks(layer, ids, slots, groups)
 
-    def _chunks(self, ids: np.ndarray, slots: np.ndarray, groups: list[list]
+    def _chunks(self, layer: int, ids: np.ndarray, slots: np.ndarray, groups: list[Group]
                 ) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
         """`route_chunks`' chunks: the resident experts', then each group's once read."""
         if not groups:
             yield None, slots
             return
         flat, flat_slots = ids.reshape(-1), slots.reshape(-1)
-        read = np.isin(flat, [e for group in groups for e, _ in group])
+        read = np.isin(flat, [e for group in groups for e, _ in group.reads])
         if not read.all():
             positions = np.flatnonzero(~read)
             yield positions, flat_slots[positions]
         for group in groups:
-            experts = [e for e, _ in group]  # before finishing, which empties the group
-            self._finish_unfinished(until=group)
+            experts = [e for e, _ in group.reads]  # before finishing, which empties the group
+            self.reads.finish(layer, until=group)
             positions = np.flatnonzero(np.isin(flat, experts))
             yield positions, flat_slots[positions]
 
@@ -255,7 +248,8 @@ class Runtime:
             raise ClosedError()
         if self.held:  # the backend did not tally the previous call
             self.tally()
-        self._finish_reads(layer)
+        if self.reads.pending:
+            self.reads.finish(layer)
         if layer == 0:
             tokens = ids.size // ids.shape[-1]
             self.held.append((self.stats.tick, (tokens,)))
@@ -275,20 +269,25 @@ class Runtime:
             self.held.append((self.stats.route, (layer, routed)))
         return (experts, ids) if fits else None
 
-    def _finish_reads(self, layer: int) -> None:
-        """Finish the reads in flight (a prefetch's, those a call left running), counting each
-        (a wait counts as `layer`'s stall). Callers hold CRITICAL: a read's end is counted or
-        forgotten, and taken off its list, as one step."""
-        if self.prefetch and self.prefetch.reads:
-            self.prefetch.wait(layer)
-        if self.unfinished:
-            self._finish_unfinished()
 
     def _reading(self, layer: int, experts: list[int]) -> None:
         """A prefetch must not evict the experts of the call about to compute."""
         if self.prefetch:
             base = layer * self.plan.num_experts
             self.prefetch.reading = {base + e for e in experts}
+
+    def read_ahead(self, layer: int, predicted: np.ndarray) -> None:
+        """Start reading the next layer's `predicted` experts (distinct ids) that are not
+        resident, while this call computes; its own experts stay (see `prefetch`)."""
+        nxt = layer + 1
+        if not self.prefetch.worth_reading(layer, predicted):
+            return
+        with CRITICAL:
+            cache = self.layer_cache[nxt]
+            loads, evicted = cache.prefetch(nxt, predicted, self.prefetch.reading)
+            self.evicted(evicted, nxt, loads)
+            self.prefetch.ahead[nxt] = landed = set()
+            self.reads.start(nxt, loads, landed=landed)
 
     def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
@@ -330,7 +329,7 @@ class Runtime:
         Callers hold CRITICAL: no decision without its load."""
         loads = self._decide(layer, experts)
         if loads:
-            self._load(layer, loads)
+            self.reads.load(layer, loads)
         return self.layer_cache[layer].slots(layer, ids)
 
     def _decide(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
@@ -399,112 +398,12 @@ class Runtime:
                     resident[layer] = self.slot_map(layer) >= 0
                 pool.release(layer, expert, resident[layer])
 
-    def read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
+    def _read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
         """Read one expert into its slot: (bytes, seconds)."""
         start = time.perf_counter()
         with self.layer_pool[layer].landing(layer, expert, slot) as destination:
             nbytes = self.store.read_expert(self.store_layer[layer], expert, destination)
         return nbytes, time.perf_counter() - start
-
-    def count_read(self, layer: int, nbytes: int, seconds: float, experts: int = 1) -> None:
-        self.stats.read_seconds[layer] += seconds
-        self.stats.bytes_read[layer] += nbytes
-        self.stats.loads[layer] += experts
-
-    def _load(self, layer: int, loads: list[tuple[int, int]]) -> None:
-        """Read the missing experts of a call: the first here, the others meanwhile on the I/O
-        threads (handing every read to a thread and waiting cost 3% of a token on the embedded
-        model). However the wait ends (a failed read, Ctrl-C under a SIGINT handler not ours,
-        an OSError), no slot is left claiming bytes that never landed: a read cut short here
-        is forgotten, one not yet started too, and those still running are finished by the
-        next call (`unfinished`)."""
-        (expert, slot), others = loads[0], loads[1:]
-        here = (expert, partial(self.read, layer, expert, slot))
-        if not others:
-            self._finish(layer, [here])
-            return
-        reads: list[tuple[int, Future | Callable]] = []
-        self.unfinished.append((layer, reads))
-        try:
-            self.submit_reads(layer, others, reads)
-        except BaseException:
-            self.forget(layer, expert)
-            raise
-        reads.insert(0, here)
-        try:
-            self._finish_unfinished()
-        except BaseException:
-            if reads and reads[0] is here:  # cut short before it began: never to be made later
-                self.forget(layer, expert)  # (by `stats()` after `close()`, it opened the
-                reads.pop(0)  # files again)
-            raise
-
-    def submit_reads(self, layer: int, loads: list[tuple[int, int]],
-                     started: list[tuple[int, Future]]) -> None:
-        """Start the reads of `loads` ((expert, slot) pairs) on the I/O threads, adding each
-        to `started` (empty, and tracked by the caller) as it starts. When one cannot start
-        (the pool was shut down), the experts not started leave their slots before the error
-        is raised: no slot is left claiming bytes that never land."""
-        try:
-            for expert, slot in loads:
-                started.append((expert, self.io.submit(self.read, layer, expert, slot)))
-        except BaseException as e:
-            for expert, _ in loads[len(started) :]:
-                self.forget(layer, expert)
-            if self.closed and isinstance(e, RuntimeError):  # closed by another thread since
-                raise ClosedError() from None  # the call began: the pool refuses new reads
-            raise
-
-    def _finish(self, layer: int, reads: list[tuple[int, Future | Callable]]) -> None:
-        """Wait for the reads of `layer`'s experts (`(expert, future)`), or make them (`(expert,
-        read)`), counting each as it ends and taking it off `reads`. A read that ended in an
-        error is forgotten: a StoreError is raised once all have ended, anything else at once
-        (a read made here and cut short ended in it). An interrupt while a future runs leaves
-        it in `reads`, for the next call to finish."""
-        start, failed = time.perf_counter(), None
-        try:
-            while reads:
-                expert, read = reads[0]
-                try:
-                    result = read.result() if isinstance(read, Future) else read()
-                except BaseException as e:
-                    if isinstance(read, Future) and only_the_wait_failed(read):
-                        raise
-                    self.forget(layer, expert)  # then off the list: forgetting twice is safe
-                    reads.pop(0)
-                    if not isinstance(e, StoreError):
-                        raise
-                    self.stats.read_errors += 1  # each failed read, as a prefetch's
-                    failed = failed or e
-                    continue
-                self.count_read(layer, *result)
-                reads.pop(0)
-        finally:
-            self.stats.stall_seconds[layer] += time.perf_counter() - start
-        if failed:
-            raise failed
-
-    def _finish_unfinished(self, until: list | None = None) -> None:
-        """Finish the reads a call left running (`route_chunks`' groups, `_load`'s), in order,
-        up to and including the group `until` (all of them by default; a call left before its
-        end, by an error or Ctrl-C, is finished by the next call). A failure finishes every one before it is
-        raised: no read may land in a slot after it was given to another expert."""
-        try:
-            while self.unfinished:
-                layer, group = self.unfinished[0]
-                self._finish(layer, group)
-                self.unfinished.pop(0)
-                if group is until:
-                    return
-        except StoreError:
-            self.unfinished.pop(0)
-            for layer, group in self.unfinished:
-                try:
-                    self._finish(layer, group)
-                except StoreError:
-                    pass
-            self.unfinished = []
-            raise
 
     def read_all(self, progress=None) -> None:
         """When every expert has a slot (`holds_all`), read them all now, as stock mlx-lm reads
@@ -519,16 +418,16 @@ class Runtime:
             if dest is not None and not self.store.expert_major(self.store_layer[layer]):
                 in_runs[self.store_layer[layer]] = (layer, dest)
             else:
-                reads.append(self.io.submit(self._read_experts, layer, slots))
+                reads.append(self.reads.pool.submit(self._read_experts, layer, slots))
         runs = self.store.plan_reads({i: dest for i, (_, dest) in in_runs.items()})
         layer_of = {i: layer for i, (layer, _) in in_runs.items()}
-        reads += [self.io.submit(self._read_run, run, layer_of) for run in runs]
+        reads += [self.reads.pool.submit(self._read_run, run, layer_of) for run in runs]
         context = progress(reads, "read experts") if progress else nullcontext(reads)
         try:
             with context as items:
                 for read in items:  # items first: the bar ends at 100%
                     for layer, nbytes, seconds, experts in read.result():
-                        self.count_read(layer, nbytes, seconds, experts)
+                        self.stats.count_read(layer, nbytes, seconds, experts)
         except BaseException:
             for read in reads:
                 read.cancel()
@@ -538,7 +437,7 @@ class Runtime:
 
     def _read_experts(self, layer: int, slots: list[int]) -> list[tuple[int, int, float, int]]:
         """Every expert of a layer into `slots`, one read each: (layer, bytes, seconds, 1)."""
-        return [(layer, *self.read(layer, e, s), 1) for e, s in enumerate(slots)]
+        return [(layer, *self.reads.read(layer, e, s), 1) for e, s in enumerate(slots)]
 
     def _read_run(self, run: Run, layer_of: dict[int, int]) -> list[tuple[int, int, float, int]]:
         """One read of `plan_reads` (`layer_of` maps its store layers to layers): (layer, bytes,
@@ -611,20 +510,12 @@ class Runtime:
             if self.closed:  # by another thread, meanwhile: the store must stay closed
                 raise ClosedError()
             cache = self.layer_cache[layer]
-            with CRITICAL:
+            with CRITICAL:  # a read counted as a load is counted as warm in the same step
                 slot = cache.admit(layer, expert)
                 if slot is None:
                     continue
-                try:
-                    read = self.read(layer, expert, slot)
-                except BaseException as e:  # failed or cut short: the slot holds nothing
-                    self.forget(layer, expert)
-                    if isinstance(e, StoreError):
-                        self.stats.read_errors += 1
-                    raise
-                self.count_read(layer, *read)  # in `loads` and `bytes_read`, as any read
-                self.warm[layer] += 1  # in the same step: a signal handler then raising at
-                nbytes += read[0]  # its end must not leave a read uncounted as warm
+                nbytes += self.reads.read_now(layer, expert, slot)
+                self.warm[layer] += 1
                 loaded += 1
         return loaded, nbytes
 
@@ -649,8 +540,8 @@ class Runtime:
         reads it again and reports the error. Callers hold the lock."""
         stalled = self.stats.stall_seconds.copy()
         try:
-            with CRITICAL:  # see `_finish_reads`
-                self._finish_reads(0)
+            with CRITICAL:  # a read's end is counted or forgotten as one step
+                self.reads.finish(0)
         except StoreError:
             pass
         finally:  # waiting here is not the forward pass stalling
@@ -682,16 +573,9 @@ class Runtime:
         did not come along, so it starts its own (a read queued for them would wait for ever),
         and the reads in flight at the fork, which never land here, leave their slots."""
         self.store.forked()
-        if not self.closed:
-            self.io = _started_pool(self.io_threads)
-        pending = [(layer, expert) for layer, reads in self.unfinished for expert, _ in reads]
-        self.unfinished = []
+        self.reads.forked()
         if self.prefetch:
-            pending += [(layer, expert) for layer, expert, _ in self.prefetch.reads]
-            self.prefetch.reads = []
-            self.prefetch.prefetched.clear()
-        for layer, expert in pending:
-            self.forget(layer, expert)
+            self.prefetch.ahead.clear()
 
     def __reduce__(self):
         """`copy.deepcopy` and pickling of a model reach its runtime: its open files, threads
@@ -704,7 +588,7 @@ class Runtime:
         step ends before the files close: none of its reads opens them again."""
         self.closed = True
         with self.lock:
-            self.io.shutdown(wait=True)
+            self.reads.close()
             self.store.close()
 
 
@@ -731,24 +615,3 @@ def _follow_forks(runtime: Runtime) -> None:
     os.register_at_fork(before=hook(lambda r: r.lock.acquire()),
                         after_in_parent=hook(lambda r: r.lock.release()),
                         after_in_child=hook(in_child))
-
-
-def _started_pool(threads: int) -> ThreadPoolExecutor:
-    """An I/O pool whose threads all run now. A pool starts them on demand, in `submit`, after
-    queueing the work: a thread that cannot start then raises there, and the read already
-    queued would land later in a slot the runtime has given to another expert."""
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="moestream-read")
-    running = threading.Barrier(threads + 1)  # each task holds its thread until all run
-    try:
-        for _ in range(threads):
-            pool.submit(running.wait)
-        running.wait()
-    except BaseException as e:
-        running.abort()  # the threads that run end their task
-        pool.shutdown(wait=False)
-        if isinstance(e, RuntimeError):
-            raise RuntimeError(f"cannot start the {threads} threads that read experts: {e}"
-                               ) from None
-        raise
-    return pool
-

@@ -47,6 +47,12 @@ class Stats:
         self._activations = [memoryview(row) for row in self.activations]
         self._decayed = [memoryview(row) for row in self.decayed]
 
+    def count_read(self, layer: int, nbytes: int, seconds: float, experts: int = 1) -> None:
+        """Count a read of `experts` experts of `layer` (0: its experts are counted apart)."""
+        self.read_seconds[layer] += seconds
+        self.bytes_read[layer] += nbytes
+        self.loads[layer] += experts
+
     def count_request(self, layer: int, hits: int, misses: int) -> None:
         """Count one call's accesses."""
         self._hits[layer] += hits

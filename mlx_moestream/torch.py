@@ -878,7 +878,7 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
             if predict:
                 with torch.no_grad():
                     picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
-                prefetch.after(layer, np.unique(picks.to("cpu").numpy()))
+                runtime.read_ahead(layer, np.unique(picks.to("cpu").numpy()))
                 if waits:
                     runtime.count_sync()
             if slots is None:

@@ -6,6 +6,7 @@ import itertools
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -180,7 +181,7 @@ def test_a_prewarm_cut_short_by_a_raising_handler_counts_every_expert_it_read_as
     profile = mlx_moestream.profile(model, "chat")
     model, _ = mlx_moestream.load(path, budget="50%")  # nothing read: every load is the prewarm's
     runtime = model.moestream
-    original, calls = runtime.read, itertools.count()
+    original, calls = runtime.reads.read, itertools.count()
 
     def signalling(*args):
         result = original(*args)
@@ -188,7 +189,7 @@ def test_a_prewarm_cut_short_by_a_raising_handler_counts_every_expert_it_read_as
             signal.raise_signal(signal.SIGALRM)
         return result
 
-    monkeypatch.setattr(runtime, "read", signalling)
+    monkeypatch.setattr(runtime.reads, "read", signalling)
     with _raising_on(signal.SIGALRM), pytest.raises(_Timeout):
         mlx_moestream.prewarm(model, profile)
     stats = mlx_moestream.stats(model)
@@ -234,7 +235,7 @@ def test_a_call_s_own_read_failing_while_its_others_run_leaves_no_stale_slot(tin
     original, failed = runtime.store.read_expert, []
 
     def failing(*args):
-        if threading.current_thread() is threading.main_thread() and runtime.unfinished:
+        if threading.current_thread() is threading.main_thread() and _on_io_threads(runtime):
             failed.append(args[:2])  # the others of its call are on the I/O threads
             raise OSError(5, "Input/output error")
         return original(*args)
@@ -243,7 +244,7 @@ def test_a_call_s_own_read_failing_while_its_others_run_leaves_no_stale_slot(tin
     with pytest.raises(OSError):
         greedy_logits(model, decode_tokens=16)
     monkeypatch.undo()
-    assert len(failed) == 1 and runtime.unfinished
+    assert len(failed) == 1 and _on_io_threads(runtime)
     assert _equals_stock(model, reference(path))
     assert _stale_experts(runtime) == []
 
@@ -254,7 +255,7 @@ def test_a_read_that_ends_as_ctrl_c_cuts_its_wait_short_is_counted(tiny_model, m
     40 interrupted prompts) and its expert read again."""
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="25%")
     runtime = model.moestream
-    read, submit, submits = runtime.read, runtime.io.submit, itertools.count()
+    read, submit, submits = runtime.reads.read, runtime.reads.pool.submit, itertools.count()
     landed = []
 
     def counted(*args):
@@ -274,11 +275,11 @@ def test_a_read_that_ends_as_ctrl_c_cuts_its_wait_short_is_counted(tiny_model, m
             future.result = interrupted
         return future
 
-    monkeypatch.setattr(runtime, "read", counted)
-    monkeypatch.setattr(runtime.io, "submit", submitted)
+    monkeypatch.setattr(runtime.reads, "read", counted)
+    monkeypatch.setattr(runtime.reads.pool, "submit", submitted)
     with pytest.raises(KeyboardInterrupt):
         model(mx.array(PROMPT_IDS))
-    monkeypatch.setattr(runtime.io, "submit", submit)
+    monkeypatch.setattr(runtime.reads.pool, "submit", submit)
     model(mx.array(PROMPT_IDS[:, :4]))  # finishes what the interrupted call left
     stats = mlx_moestream.stats(model)
     assert (stats["loads"], stats["bytes_read"]) == (len(landed), sum(landed))
@@ -294,10 +295,10 @@ def test_a_read_in_the_background_failing_with_any_error_fails_one_call_and_the_
     model, _ = mlx_moestream.load(path, budget="25%", prefetch=reader == "prefetch")
     greedy_logits(model)  # the cache full: the failed expert takes a slot another held
     runtime = model.moestream
-    original, armed, failed = runtime.read, threading.Event(), threading.Event()
+    original, armed, failed = runtime.reads.read, threading.Event(), threading.Event()
     if reader == "prefetch":  # armed once a decode step predicts: the next reads are prefetches
-        after = runtime.prefetch.after
-        monkeypatch.setattr(runtime.prefetch, "after", lambda *a: (armed.set(), after(*a))[1])
+        read_ahead = runtime.read_ahead
+        monkeypatch.setattr(runtime, "read_ahead", lambda *a: (armed.set(), read_ahead(*a))[1])
     else:
         armed.set()
 
@@ -308,11 +309,17 @@ def test_a_read_in_the_background_failing_with_any_error_fails_one_call_and_the_
             raise MemoryError("out of memory in a copy")
         return original(*args)
 
-    monkeypatch.setattr(runtime, "read", failing)
+    monkeypatch.setattr(runtime.reads, "read", failing)
     with pytest.raises(MemoryError):
         greedy_logits(model, decode_tokens=8)
     monkeypatch.undo()
     assert _equals_stock(model, reference(path))
+
+
+def _on_io_threads(runtime) -> bool:
+    """Whether reads started on the I/O threads are pending."""
+    return any(isinstance(read, Future) for group in runtime.reads.pending
+               for _, read in group.reads)
 
 
 def _stale_experts(runtime) -> list[tuple[int, int]]:
@@ -341,11 +348,11 @@ def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, mo
     if reader != "prefetch":
         greedy_logits(model)  # the cache full: the experts placed take slots others held
     runtime = model.moestream
-    original, submits, predicting = runtime.io.submit, itertools.count(), threading.Event()
+    original, submits, predicting = runtime.reads.pool.submit, itertools.count(), threading.Event()
     if reader == "prefetch":  # the first prediction's first read fails: none of its reads start
-        after, fail_at = runtime.prefetch.after, 0
-        monkeypatch.setattr(runtime.prefetch, "after",
-                            lambda *a: (predicting.set(), after(*a), predicting.clear()))
+        read_ahead, fail_at = runtime.read_ahead, 0
+        monkeypatch.setattr(runtime, "read_ahead",
+                            lambda *a: (predicting.set(), read_ahead(*a), predicting.clear()))
     elif reader == "prompt":  # the prompt's second read fails: the first one is left running
         fail_at = 1
     else:  # the first call missing two experts: the one it would read itself never starts
@@ -356,7 +363,7 @@ def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, mo
             raise RuntimeError("can't start new thread")
         return original(*args)
 
-    monkeypatch.setattr(runtime.io, "submit", failing)
+    monkeypatch.setattr(runtime.reads.pool, "submit", failing)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         if reader == "prompt":  # a short prompt: its experts fit, read while it computes
             for prompt in ([[5, 9, 13]], [[21, 30, 44]], [[2, 50, 61]]):
@@ -427,7 +434,7 @@ def test_statistics_right_after_an_interrupt_count_the_reads_it_left_running(tin
     before it reports, so every resident expert has its load."""
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="50%")
     runtime, fired = model.moestream, []
-    original = runtime.read
+    original = runtime.reads.read
 
     def read(layer, expert, slot):
         if threading.current_thread() is not threading.main_thread() and not fired:
@@ -436,12 +443,12 @@ def test_statistics_right_after_an_interrupt_count_the_reads_it_left_running(tin
             time.sleep(0.3)  # the main thread, waiting for this read, takes the interrupt
         return original(layer, expert, slot)
 
-    monkeypatch.setattr(runtime, "read", read)
+    monkeypatch.setattr(runtime.reads, "read", read)
     with pytest.raises(KeyboardInterrupt):
         mx.eval(model(mx.array([list(range(3, 40))])))
-    assert runtime.unfinished  # the reads the interrupt left running
-    for _, group in runtime.unfinished:
-        for _, read in group:
+    assert _on_io_threads(runtime)  # the reads the interrupt left running
+    for group in runtime.reads.pending:
+        for _, read in group.reads:
             read.exception()  # wait for it to land
     stats = mlx_moestream.stats(model)
     resident = sum(cache.resident for cache in runtime.caches)
@@ -526,11 +533,12 @@ def test_an_interrupt_while_statistics_finish_a_failed_prefetch_read_leaves_no_s
 
     monkeypatch.setattr(runtime.store, "read_expert", failing)
     runtime.prefetch.reading = set()
-    runtime.prefetch.after(0, np.array([expert]))  # layer 1's read, as layer 0's call starts it
-    for _, _, read in runtime.prefetch.reads:
+    runtime.read_ahead(0, np.array([expert]))  # layer 1's read, as layer 0's call starts it
+    group, = runtime.reads.pending
+    for _, read in group.reads:
         read.exception()  # it has failed
     monkeypatch.undo()
-    runtime.prefetch.reads = _InterruptedAfterPop(runtime.prefetch.reads)
+    group.reads = _InterruptedAfterPop(group.reads)
     with _sigint_handler(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
         mlx_moestream.stats(model)
     assert runtime.slot_map(1)[expert] < 0

@@ -477,7 +477,8 @@ def test_a_prewarm_pins_no_expert_whose_read_is_still_in_flight(tiny_model, refe
     with pytest.raises(KeyboardInterrupt):
         model(token[:, None], cache=cache)
     failing[0] = False
-    in_flight = [(layer, expert) for layer, expert, _ in runtime.prefetch.reads]
+    in_flight = [(group.layer, expert) for group in runtime.reads.pending
+                 if group.landed is not None for expert, _ in group.reads]
     assert in_flight and {layer for layer, _ in in_flight} == {2}
     decayed = np.zeros((4, 16))
     for i, (layer, expert) in enumerate(in_flight):

@@ -615,8 +615,8 @@ def test_a_layer_whose_prefetch_does_not_pay_is_predicted_on_one_token_in_eight(
     greedy_logits(model)
     runtime = model.moestream
     predictions = []
-    after = runtime.prefetch.after
-    monkeypatch.setattr(runtime.prefetch, "after", lambda *a: (predictions.append(a), after(*a)))
+    read_ahead = runtime.read_ahead
+    monkeypatch.setattr(runtime, "read_ahead", lambda *a: (predictions.append(a), read_ahead(*a)))
     greedy_logits(model)  # 33 calls per layer
     layers = len(runtime.plan.layers)
     assert 0 < len(predictions) <= (layers - 1) * (33 // prefetch.PREFETCH_PROBE + 1)
@@ -657,14 +657,14 @@ def test_a_prompt_computes_its_resident_experts_while_its_misses_are_read(tiny_m
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="50%")
     runtime = model.moestream
     runtime.route(0, np.array([[[0, 1]]]))  # experts 0 and 1 of layer 0 resident
-    gate, read = threading.Event(), runtime.read
+    gate, read = threading.Event(), runtime.reads.read
 
     def held_back(layer, expert, slot):
         if expert == 5:
             assert gate.wait(10)
         return read(layer, expert, slot)
 
-    monkeypatch.setattr(runtime, "read", held_back)
+    monkeypatch.setattr(runtime.reads, "read", held_back)
     ids = np.array([[[0, 5], [1, 6]]])  # a prompt of two tokens
     chunks = runtime.route_chunks(0, ids)
     positions, _ = next(chunks)  # while expert 5 is still being read

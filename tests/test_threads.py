@@ -231,19 +231,20 @@ def test_a_read_left_by_a_call_cut_short_does_not_reopen_a_closed_model(model_co
     """A call missing several experts reads the first itself, after starting the others: cut
     short before (here, an error finishing what an earlier call left), that read stays to make,
     and `stats()` after `close()` made it, opening the closed model's files again."""
-    from mlx_moestream.runtime import Runtime
+    from mlx_moestream.reads import Reads
 
     path = model_copy("qwen3_moe")  # files no other test's model holds open
     model, _ = mlx_moestream.load(path, budget="25%")
     greedy_logits(model, decode_tokens=4)  # the cache full: calls miss
-    runtime, finish = model.moestream, Runtime._finish_unfinished
+    runtime, finish = model.moestream, Reads.finish
 
-    def cut_short(self, until=None):
-        if any(not isinstance(read, Future) for _, reads in self.unfinished for _, read in reads):
+    def cut_short(self, layer, until=None):
+        jobs = [read for group in self.pending for _, read in group.reads]
+        if any(isinstance(j, Future) for j in jobs) and any(not isinstance(j, Future) for j in jobs):
             raise OSError("cut short")
-        return finish(self, until)
+        return finish(self, layer, until)
 
-    monkeypatch.setattr(Runtime, "_finish_unfinished", cut_short)
+    monkeypatch.setattr(Reads, "finish", cut_short)
     with pytest.raises(OSError, match="cut short"):
         for token in range(3, 500):
             mx.eval(model(mx.array([[token]])))
