@@ -256,7 +256,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             if prompt is not None:
                 answer(prompt)
             elif distributed:  # a host that failed or was interrupted mid-answer would leave
-                _interactive(answer, partial(_read_on_host_0, lm.moestream.watchdog),
+                _interactive(answer, partial(_read_on_host_0, lm.moestream.backend.watchdog),
                              fatal=True)  # the others waiting
             else:
                 _interactive(answer)

@@ -21,7 +21,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from .budget import available_memory_bytes, resolve_budget
 from .errors import ModelError
 from .hub import check_tokenizer, resolve_model_path
-from .mlx_backend import MLXSlotPool, attach, plan_model
+from .mlx_backend import MLXBackend, attach, plan_model
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
@@ -133,11 +133,11 @@ def load(
                 profile = as_profile(profile)
                 profile.check_model(plan.identity)
             weights = profile.working_set() if per_layer and profile is not None else None
-            runtime = Runtime(plan, store, budget_bytes, MLXSlotPool, policy, window_tokens,
-                              per_layer, weights)
-            if group is not None:
-                runtime.host = (group.rank(), group.size())
-            attach(runtime, lazy_model, prefetch, progress, group, timeout_seconds)
+            backend = MLXBackend(timeout_seconds if group is not None else None)
+            host = (group.rank(), group.size()) if group is not None else (0, 1)
+            runtime = Runtime(plan, store, budget_bytes, backend, policy, window_tokens,
+                              per_layer, weights, host=host)
+            attach(runtime, lazy_model, prefetch, progress, group)
             mx.eval(lazy_model.parameters())  # the dense weights; experts left the tree
             digest = _checkpoint_digest(path, store) if group is not None else None
             store.loaded()  # after every read of the load: it drops them from the page cache
@@ -232,7 +232,7 @@ def host_stats(model: nn.Module) -> dict:
     runtime = runtime_of(model)
     mine = runtime.stats_dict()
     hosts = mx.distributed.all_gather(mx.array([int(mine[k]) for k in HOST_COUNTERS], mx.int64))
-    with runtime.watchdog:  # evaluated first: `np.array` of a collective a lost host made
+    with runtime.backend.watchdog:  # evaluated first: `np.array` of a collective a lost host made
         mx.eval(hosts)  # fail returns what it holds (zeros), where `mx.eval` raises
     rows = np.array(hosts).reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
     per_host = [dict(zip(HOST_COUNTERS, row)) for row in rows]

@@ -8,7 +8,7 @@ routed expert ids are remapped to slot ids before the original module runs.
 Slots are filled by reading from the files straight into the pool's memory, so no computation
 that reads a slot may still be pending when a later call overwrites it: every call schedules its
 expert output (`mx.async_eval`) before it returns, and the next call waits for it before it
-decides anything (`InFlight`). That wait is normally free, as the next call's read of its routed
+decides anything (`MLXBackend.settle`). That wait is normally free, as the next call's read of its routed
 ids has computed the output already (the residual stream depends on it), so a layer costs one
 host sync, not two; and the output computes while Python builds the next layer's graph. Only
 scheduled work is waited for, which works from any thread (an unscheduled graph can be evaluated
@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,7 +37,8 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from .errors import ModelError, NotCopyableError, StoreError
 from .interrupts import CRITICAL
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, top_k_of
-from .runtime import Runtime, SlotPool
+from .backend import Backend, SlotPool
+from .runtime import Runtime
 
 EXPERT_MODULES = (SwitchGLU, SwitchMLP)
 SORTED_IDS = 64  # SwitchGLU and SwitchMLP sort a call of this many ids or more (`do_sort`)
@@ -209,60 +211,54 @@ class PooledExperts(nn.Module):
 class StreamingExperts(PooledExperts):
     """Drop-in replacement for a SwitchGLU / SwitchMLP whose experts are streamed."""
 
-    def __init__(self, inner: nn.Module, layer: int, runtime: Runtime, in_flight: "InFlight"):
+    def __init__(self, inner: nn.Module, layer: int, runtime: Runtime):
         super().__init__(inner, runtime.plan.layers[layer].path)
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "runtime", runtime)
-        object.__setattr__(self, "in_flight", in_flight)
         # the next layer's routing logits and the width of the input they take, to predict with
         object.__setattr__(self, "next_router", None)
+
+    computes_parts = True
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         self.check_unconverted()
         self.start_routing(indices)
-        runtime = self.runtime
-        # One thread's call at a time, computed before the next may reuse its slots: threads
-        # sharing the model interleave whole layer calls.
-        with runtime.lock:
-            prefetch, one_token = runtime.prefetch, indices.size == indices.shape[-1]
-            predicted, router = None, self.next_router  # one-token calls predict (`prefetch`)
-            if (prefetch and one_token and router is not None and x.shape[-1] == router[1]
-                    and prefetch.wanted(self.layer)):  # a latent MoE's experts take less
-                k = runtime.plan.top_k
-                picks = mx.argpartition(-router[0](x), kth=k - 1, axis=-1)[..., :k]
-                mx.eval(indices, picks)  # one host sync for the routing and the prediction
-                predicted = np.unique(np.array(picks))
-            ids = np.array(indices)  # host sync: the routing decides what must be read
-            runtime.count_sync()
-            runtime.settle()  # the previous call's output (see the module docstring)
-            if one_token:
-                slots = runtime.route(self.layer, ids)
-                if slots is None:
-                    return self._in_rounds(x, ids)
-                if predicted is not None:  # read while this call computes
-                    runtime.read_ahead(self.layer, predicted)
-                y = self.inner(x, _slot_ids(slots))
-            else:  # several tokens: compute while the misses are read
-                chunks = runtime.route_chunks(self.layer, ids)
-                if chunks is None:
-                    return self._in_rounds(x, ids)
-                y = self._in_chunks(x, ids, chunks)
-            self.in_flight.add(y)
-            runtime.tally()  # while the device computes
-            return y
+        return self.runtime.call(self, x, indices)
 
-    def _in_rounds(self, x: mx.array, ids: np.ndarray) -> mx.array:
-        """More distinct experts than the layer may hold: compute them a slot pool at a time."""
+    def predicts(self, x: mx.array, indices: mx.array) -> bool:
+        """One-token calls predict, where the next layer's router takes this input (a latent
+        MoE's experts take less)."""
+        return (indices.size == indices.shape[-1] and self.next_router is not None
+                and x.shape[-1] == self.next_router[1])
+
+    def routed(self, predict: bool, x: mx.array, indices: mx.array
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The routed ids and the prediction, in one host sync."""
+        predicted = None
+        if predict:
+            k = self.runtime.plan.top_k
+            picks = mx.argpartition(-self.next_router[0](x), kth=k - 1, axis=-1)[..., :k]
+            mx.eval(indices, picks)
+            predicted = np.unique(np.array(picks))
+        ids = np.array(indices)
+        self.runtime.count_sync()
+        return ids, predicted
+
+    def compute(self, ids: np.ndarray, slots: np.ndarray, x: mx.array, indices: mx.array
+                ) -> mx.array:
+        return self.inner(x, _slot_ids(slots))
+
+    def compute_rounds(self, ids: np.ndarray, rounds, x: mx.array, indices: mx.array
+                       ) -> mx.array:
         outs = []
-        for pos, slots in self.runtime.rounds(self.layer, ids):
+        for pos, slots in rounds:
             outs.append((pos, self._rows(x, ids, pos, slots)))
             mx.eval(outs[-1][1])  # the next round may overwrite these slots
             self.runtime.count_sync()
         return _gathered(outs, ids.shape)
 
-    def _in_chunks(self, x: mx.array, ids: np.ndarray, chunks) -> mx.array:
-        """A call whose experts all have slots, computed chunk by chunk as `route_chunks`
-        makes them resident: each chunk computes while the next is read."""
+    def compute_chunks(self, ids: np.ndarray, chunks, x: mx.array, indices: mx.array
+                       ) -> mx.array:
         outs = []
         for pos, slots in chunks:
             if pos is None:  # the whole call at once
@@ -270,6 +266,9 @@ class StreamingExperts(PooledExperts):
             outs.append((pos, self._rows(x, ids, pos, slots)))
             mx.async_eval(outs[-1][1])
         return _gathered(outs, ids.shape)
+
+    def issued(self, y: mx.array) -> None:
+        self.runtime.backend.issue(y)
 
     def _rows(self, x: mx.array, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> mx.array:
         """The outputs of the flat (token, k) positions `pos`, whose experts are in `slots`.
@@ -300,22 +299,39 @@ def _gathered(outs: list[tuple[np.ndarray, mx.array]], shape: tuple[int, ...]) -
     return y.reshape(*shape, y.shape[-1])
 
 
-class InFlight:
-    """The latest call's expert output, scheduled but perhaps not computed yet: it reads slots,
-    so nothing may be read into a slot until it is done (`wait`, the runtime's `settle`, which
-    every call makes before `add`)."""
+class MLXBackend(Backend):
+    """MLX's side of a streamed model: pools in unified memory, the latest call's output in
+    flight, and the routing of calls with every expert resident, counted late.
 
-    def __init__(self):
+    The latest output is scheduled but perhaps not computed yet: it reads slots, so nothing may
+    be read into a slot until it is done (`settle`, which every call makes before `issue`).
+    `watchdog` wraps a wait on the other hosts: it ends the process when they stop answering.
+    """
+
+    def __init__(self, timeout_seconds: float | None = None):
         self.output: mx.array | None = None
+        self.deferred: DeferredRouting | None = None  # set by `attach` when every expert fits
+        self.watchdog = nullcontext() if timeout_seconds is None else Watchdog(timeout_seconds)
 
-    def add(self, y: mx.array) -> None:
+    def new_pool(self, like: ExpertLayer, num_slots: int) -> MLXSlotPool:
+        return MLXSlotPool(like, num_slots)
+
+    def issue(self, y: mx.array) -> None:
         mx.async_eval(y)
         self.output = y
 
-    def wait(self) -> None:
+    def settle(self) -> None:
         if self.output is not None:
             mx.eval(self.output)
             self.output = None
+
+    def count_deferred(self) -> None:
+        if self.deferred is not None:
+            self.deferred.count()
+
+    def begin_trace(self) -> None:
+        if self.deferred is not None:
+            self.deferred.begin_trace()
 
 
 class ResidentExperts(PooledExperts):
@@ -393,19 +409,14 @@ class DeferredRouting:
                 if cut < len(forwards):
                     self.forwards[thread] = forwards[cut:]
                 for calls in forwards[:cut]:
-                    recorder = runtime.recorder
-                    if id(calls) in self.untraced:
-                        self.untraced.discard(id(calls))
-                        runtime.recorder = None
-                    try:
-                        for layer, indices in calls:
-                            try:
-                                ids = np.array(indices)
-                            except (ValueError, RuntimeError):  # never computed: uncounted
-                                continue
-                            runtime.route(layer, ids, compute=False)
-                    finally:
-                        runtime.recorder = recorder
+                    traced = id(calls) not in self.untraced
+                    self.untraced.discard(id(calls))
+                    for layer, indices in calls:
+                        try:
+                            ids = np.array(indices)
+                        except (ValueError, RuntimeError):  # never computed: uncounted
+                            continue
+                        runtime.route(layer, ids, compute=False, record=traced)
 
 
 class HostExperts(nn.Module):
@@ -444,7 +455,7 @@ class HostExperts(nn.Module):
                      f"this layer: every host ends)")
         y = mx.where(owned[..., None], y, 0)
         y = mx.distributed.all_sum(y, group=self.group)
-        with self.runtime.watchdog:
+        with self.runtime.backend.watchdog:
             mx.eval(y)
         self.runtime.count_sync()
         return y
@@ -470,7 +481,7 @@ class HostExperts(nn.Module):
         host, hosts = self.runtime.host
         rows = mx.where(mx.arange(hosts).reshape(-1, *[1] * value.ndim) == host, value, 0)
         rows = mx.distributed.all_sum(rows, group=self.group)
-        with self.runtime.watchdog:
+        with self.runtime.backend.watchdog:
             mx.eval(rows)
         self.runtime.count_sync()
         return np.array(rows)
@@ -552,27 +563,22 @@ class Watchdog:
 
 
 def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=None,
-           group=None, timeout_seconds: float = 120.0) -> None:
+           group=None) -> None:
     """Swap every expert module of `model` for one that computes from the runtime's slot pools
     (its lazy experts drop out of the model). When every expert has a slot, read them all now,
     as stock mlx-lm reads its weights, and compute without host syncs (`ResidentExperts`);
     else stream (`StreamingExperts`), predicting each next layer's experts with that layer's
     router when `prefetch`. `progress(items, label)` may wrap the reads. With a distributed
     `group`, the runtime serves this host's experts (`ModelPlan.host_share`) and each module is
-    wrapped in `HostExperts`, whose exchanges time out after `timeout_seconds`."""
+    wrapped in `HostExperts`, whose exchanges the backend's watchdog times."""
     found = [(layer.path, _get_path(model, layer.path)) for layer in runtime.plan.layers]
     for i, (path, module) in enumerate(found):
         for name, array in runtime.layer_pool[i].arrays.items():
             _set_path(module, name, array)
     if runtime.holds_all:
         runtime.read_all(progress)
-        deferred = DeferredRouting(runtime)
-        runtime.count_deferred, runtime.begin_deferred_trace = deferred.count, deferred.begin_trace
+        deferred = runtime.backend.deferred = DeferredRouting(runtime)
     streamed = []
-    in_flight = InFlight()
-    runtime.settle = in_flight.wait
-    if group is not None:
-        runtime.watchdog = Watchdog(timeout_seconds)
     for i, (path, module) in enumerate(found):
         parent_path, attr = path.rsplit(".", 1)
         parent = _get_path(model, parent_path)
@@ -581,7 +587,7 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
             slot_map = _slot_ids(np.append(row, row[0]))  # masked ids: expert 0's slot
             experts = ResidentExperts(module, i, slot_map, deferred)
         else:
-            experts = StreamingExperts(module, i, runtime, in_flight)
+            experts = StreamingExperts(module, i, runtime)
             streamed.append((experts, _router(parent, runtime.plan.layers[i].num_experts)))
         if group is not None:
             layer = runtime.plan.layers[i]

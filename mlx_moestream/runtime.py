@@ -1,11 +1,10 @@
-"""The streaming runtime, backend neutral: route -> ensure resident -> load; pre-warm; statistics.
+"""The streaming runtime, backend neutral: route -> ensure resident -> compute; pre-warm; statistics.
 
-A backend (`mlx_backend`, ...) builds the `ModelPlan`, makes each group of layers with one
-expert shape a `SlotPool` (host views of the memory its compute reads experts from), and calls
-`route` from each expert layer with the routed ids, then `tally` once the call's compute is
-issued; everything else happens here, the same for every backend. Slots are filled in place,
-so the backend must finish computing a call before a later call may reuse its slots
-(`holds_all` says when no slot is ever reused).
+A backend (`mlx_backend`, `torch`) builds the `ModelPlan`, hands the runtime a `Backend` whose
+pools hold the experts of each group of layers with one expert shape, and calls `call` from
+each expert layer with a `StreamedLayer`; everything else happens here, the same for every
+backend. Slots are filled in place, so a backend's `settle` must wait for a call's compute
+before a later call may reuse its slots (`holds_all` says when no slot is ever reused).
 """
 
 from __future__ import annotations
@@ -15,23 +14,24 @@ import os
 import threading
 import time
 import weakref
-from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Iterable, Iterator
+from contextlib import nullcontext
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from .backend import Backend, StreamedLayer
 from .budget import format_bytes
 from .cache import ExpertCache, check_shares, make_held, split_slots
 from .errors import BudgetError, ClosedError, NotCopyableError, StoreError
 from .interrupts import CRITICAL, install_handler
-from .plan import ExpertLayer, ModelPlan
+from .plan import ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
 from .prefetch import Prefetch
 from .profiles import Profile
 from .reads import Group, Reads
 from .stats import Stats, ratio
-from .trace import TraceRecorder
 from .store import ExpertStore, Run
+from .trace import TraceRecorder
 
 
 # A call of many tokens reads its misses in at most this many groups (of at least top-k
@@ -39,48 +39,6 @@ from .store import ExpertStore, Run
 PIPELINE_CHUNKS = 16
 
 
-class SlotPool:
-    """[num_slots, ...] buffers, one per expert tensor, shared by the layers of one expert shape.
-    `views` are host (numpy) views of the memory the backend computes from: reads land there.
-
-    A backend whose compute indexes experts by id (torch on the CPU) places an expert by
-    (layer, expert) instead of by slot: it overrides `landing`, `layer_destination` and
-    `release`; one whose slots are in device memory overrides `landing`."""
-
-    def __init__(self, views: dict[str, np.ndarray]):
-        self.views = views
-        self.num_slots = len(next(iter(views.values())))
-
-    def slot(self, slot: int) -> dict[str, np.ndarray]:
-        return {name: view[slot] for name, view in self.views.items()}
-
-    def landing(self, layer: int, expert: int, slot: int
-                ) -> AbstractContextManager[dict[str, np.ndarray]]:
-        """Where a read of `expert` of `layer` into `slot` lands, per tensor name, for the
-        duration of the read: a pool whose slots the host cannot write (device memory) lends
-        a host buffer instead and moves it to the slot once read."""
-        return nullcontext(self.slot(slot))
-
-    def layer_destination(self, layer: int, slots: list[int]) -> dict[str, np.ndarray] | None:
-        """Where a read of every expert of `layer` (expert e into `slots[e]`) lands as one
-        [experts, ...] block per tensor; None when the slots are not one run in order."""
-        first = slots[0]
-        if slots != list(range(first, first + len(slots))):
-            return None
-        return {name: view[first : first + len(slots)] for name, view in self.views.items()}
-
-    releases = False  # whether `release` does anything (then the runtime calls it)
-
-    def release(self, layer: int, expert: int, resident: np.ndarray) -> None:
-        """`expert` of `layer` left (evicted, or its read failed): its memory may go back.
-        `resident` says which of the layer's experts hold a slot now."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.views.values())
-
-
-NewPool = Callable[[ExpertLayer, int], SlotPool]
 
 
 def check_options(policy: str, prewarm_share: float, pin_share: float, window_tokens: int
@@ -101,14 +59,19 @@ def check_tokens(value: int, name: str) -> None:
 class Runtime:
     """The store, the slot pools and their caches, and the statistics of one streamed model."""
 
-    def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int, new_pool: NewPool,
+    def __init__(self, plan: ModelPlan, store: ExpertStore, budget_bytes: int, backend: Backend,
                  policy: str = DEFAULT_POLICY, window_tokens: int = 32, per_layer: bool = False,
                  layer_weights: np.ndarray | None = None, io_threads: int = 4,
-                 whole_calls: bool = False):
-        """`new_pool(layer, num_slots)` makes a backend's pool for layers shaped like `layer`.
-        `per_layer` gives each layer its own share of a pool (`layer_weights`, e.g. from a
-        profile, or uniform) instead of one budget shared by all layers. `whole_calls`: the
-        backend cannot compute a call in `rounds`, so every expert of a layer must fit."""
+                 whole_calls: bool = False, host: tuple[int, int] = (0, 1)):
+        """
+        Args:
+            backend: makes the slot pools, and waits for compute that reads them.
+            per_layer: give each layer its own share of a pool (`layer_weights`, e.g. from a
+                profile, or uniform) instead of one budget shared by all layers.
+            whole_calls: the backend cannot compute a call in `rounds`, so every expert of a
+                layer must fit.
+            host: (this host, hosts) under expert parallelism.
+        """
         need = plan.budget_holding(None if whole_calls else plan.top_k, per_layer)
         if budget_bytes < need:
             what = ("every expert of one layer must fit: the backend computes a call at once"
@@ -119,6 +82,7 @@ class Runtime:
                               f"below the minimum {format_bytes(need)} ({need} bytes): {what}")
         self.plan = plan
         self.store = store
+        self.backend = backend
         self.budget_bytes = budget_bytes
         # the most distinct experts one call of a layer must be able to hold at once
         self.call_experts = plan.num_experts if whole_calls else plan.top_k
@@ -129,19 +93,9 @@ class Runtime:
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
         self.closed = False  # see `close`
-        # a backend that counts routing after the fact (all experts resident) flushes it here,
-        # and leaves the calls made before a trace began out of it
-        self.count_deferred: Callable[[], None] = lambda: None
-        self.begin_deferred_trace: Callable[[], None] = lambda: None
-        # the statistics of calls routed since the latest `tally`, in order
-        self.held: list[tuple[Callable, tuple]] = []
-        # a backend whose compute may still read slots when a call returns waits for it here
-        # before a call decides anything (pre-warm reads only free slots: no wait)
-        self.settle: Callable[[], None] = lambda: None
+        self.held: list[tuple] = []  # the statistics of calls routed since the latest `tally`
         self.prewarm_info: dict | None = None
-        self.host = (0, 1)  # (this host, hosts) under expert parallelism
-        # wraps a wait on the other hosts: ends the process when they stop answering
-        self.watchdog: AbstractContextManager = nullcontext()
+        self.host = host
         self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
         self.store_layer = [
             store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
@@ -160,7 +114,7 @@ class Runtime:
             if per_layer:
                 weights = np.ones(len(group)) if layer_weights is None else layer_weights[group]
                 layer_slots = split_slots(slots, weights, self.call_experts, plan.num_experts)
-            pool = new_pool(plan.layers[group[0]], slots)
+            pool = backend.new_pool(plan.layers[group[0]], slots)
             cache = ExpertCache(slots, group, plan.num_experts, plan.num_layers, policy, layer_slots)
             self.pools.append(pool)
             self.caches.append(cache)
@@ -185,16 +139,44 @@ class Runtime:
         """The backend waited for the device (to read routed ids or a prediction)."""
         self.stats.syncs += 1
 
-    def route(self, layer: int, ids: np.ndarray, compute: bool = True) -> np.ndarray | None:
+    def call(self, experts: StreamedLayer, *inputs: Any) -> Any:
+        """One call of a streamed expert layer: route -> ensure resident -> compute. Under the
+        lock: threads sharing the model interleave whole layer calls, each computed before a
+        later one may reuse its slots."""
+        layer = experts.layer
+        with self.lock:
+            predict = (self.prefetch is not None and experts.predicts(*inputs)
+                       and self.prefetch.wanted(layer))
+            ids, predicted = experts.routed(predict, *inputs)
+            self.backend.settle()  # the previous call's compute, which may read the slots
+            if experts.computes_parts and ids.size != ids.shape[-1]:
+                chunks = self.route_chunks(layer, ids)  # computed while the misses are read
+                if chunks is None:
+                    return experts.compute_rounds(ids, self.rounds(layer, ids), *inputs)
+                output = experts.compute_chunks(ids, chunks, *inputs)
+            else:
+                slots = self.route(layer, ids)
+                if slots is None:
+                    return experts.compute_rounds(ids, self.rounds(layer, ids), *inputs)
+                if predicted is not None:
+                    self.read_ahead(layer, predicted)  # read while this call computes
+                output = experts.compute(ids, slots, *inputs)
+            experts.issued(output)
+            self.tally()  # while the device computes
+            return output
+
+    def route(self, layer: int, ids: np.ndarray, compute: bool = True, record: bool = True
+              ) -> np.ndarray | None:
         """The slots of a call's routed `ids` [..., k], after loading its misses; None when the
         call routes to more experts than the layer may hold at once: compute it by `rounds`.
         Ids outside [0, experts) are masked: they load nothing, count nothing, and get the
         slot of a routed expert (their outputs are discarded by the model); a call whose every
         id is masked gets expert 0's, read if need be, unless the caller computes nothing from
         the slots (`compute=False`: it counts a call made without them), which then counts
-        its tokens alone."""
+        its tokens alone. `record`: a trace in progress records the call.
+        """
         with CRITICAL:
-            admitted = self._admit(layer, ids, compute)
+            admitted = self._admit(layer, ids, compute, record)
             if admitted is None:
                 return None
             experts, ids = admitted
@@ -211,7 +193,7 @@ class Runtime:
         misses in file order, `PIPELINE_CHUNKS` groups at most, all read at once: the caller
         computes a chunk (without waiting for it) while the next ones are read."""
         with CRITICAL:
-            admitted = self._admit(layer, ids, True)
+            admitted = self._admit(layer, ids, True, True)
             if admitted is None:
                 return None
             experts, ids = admitted
@@ -239,7 +221,7 @@ class Runtime:
             positions = np.flatnonzero(np.isin(flat, experts))
             yield positions, flat_slots[positions]
 
-    def _admit(self, layer: int, ids: np.ndarray, compute: bool
+    def _admit(self, layer: int, ids: np.ndarray, compute: bool, record: bool
                ) -> tuple[list[int], np.ndarray] | None:
         """What every call does before its experts are made resident (see `route`): finish
         reads in flight, count, record, mask. Returns (distinct experts in order, ids), or None
@@ -255,7 +237,7 @@ class Runtime:
             self.held.append((self.stats.tick, (tokens,)))
             for cache in self.caches:
                 cache.tick(tokens)
-        if self.recorder is not None:
+        if self.recorder is not None and record:
             num = self.plan.layers[layer].num_experts
             self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
         routed, ids = self._unmasked(layer, ids)
@@ -355,13 +337,13 @@ class Runtime:
         counted late (another thread's latest, with every expert resident)."""
         with self.lock:
             self.count_all()
-            self.begin_deferred_trace()
+            self.backend.begin_trace()
             self.recorder = TraceRecorder(self.plan.num_layers, self.plan.num_experts)
 
     def count_all(self) -> None:
         """Count everything routed so far (before statistics or a profile are read)."""
         with self.lock:
-            self.count_deferred()
+            self.backend.count_deferred()
             self.tally()
 
     def evicted(self, keys: list[int], layer: int, loads: list[tuple[int, int]]) -> None:

@@ -39,13 +39,14 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import initialization as init
 
+from .backend import Backend, SlotPool
 from .budget import available_memory_bytes, resolve_budget
 from .errors import BudgetError, ModelError, StoreError
 from .hub import check_tokenizer, resolve_model_path
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
-from .runtime import Runtime, SlotPool, check_options
+from .runtime import Runtime, check_options
 from .session import as_profile
 from .store import ExpertStore
 
@@ -104,7 +105,7 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
                                   plan.dense_bytes, memory, plan.budget_holding(None, per_layer))
     weights = profile.working_set() if per_layer and profile is not None else None
     placed = ExpertRows(layers, store) if rows else DeviceSlots(layers, device)
-    runtime = Runtime(plan, store, budget_bytes, placed.pool, policy, window_tokens, per_layer,
+    runtime = Runtime(plan, store, budget_bytes, placed, policy, window_tokens, per_layer,
                       weights, whole_calls=True)
     if not rows:
         placed.attach(runtime)
@@ -650,7 +651,7 @@ def _mapped(shape: torch.Size, dtype: torch.dtype, offset: int) -> tuple[torch.T
     return raw.view(dtype).view(shape), buffer
 
 
-class ExpertRows:
+class ExpertRows(Backend):
     """The expert tensors of every layer, indexed by expert id: a read of (layer, expert) lands
     in that expert's row, wherever the cache put its slot; the cache's slots only count."""
 
@@ -668,7 +669,7 @@ class ExpertRows:
             self.views.append(_landing(rows, targets))
             self.maps.append(maps)
 
-    def pool(self, like: ExpertLayer, num_slots: int) -> SlotPool:
+    def new_pool(self, like: ExpertLayer, num_slots: int) -> SlotPool:
         return _RowPool(self, like, num_slots)
 
 
@@ -716,7 +717,7 @@ class _RowPool(SlotPool):
         return self._nbytes
 
 
-class DeviceSlots:
+class DeviceSlots(Backend):
     """Slot pools in device memory, one per group of layers with one expert shape, each shared
     by the group's experts modules as their expert parameters (`attach`). A read lands in one
     of a few pinned host buffers (`STAGING`) and is copied to its slot on a side stream; a call
@@ -742,7 +743,7 @@ class DeviceSlots:
         self.pending = False  # copies issued since the compute last waited for them
         self.compute = torch.cuda.current_stream(device) if cuda else None  # the calls' stream
 
-    def pool(self, like: ExpertLayer, num_slots: int) -> SlotPool:
+    def new_pool(self, like: ExpertLayer, num_slots: int) -> SlotPool:
         module, targets = self.layers[like.path]
         return _DevicePool(self, module, targets, num_slots)
 
@@ -822,27 +823,92 @@ class _DevicePool(SlotPool):
         return self._nbytes
 
 
+class _StreamedExperts:
+    """The streamed side of one transformers experts module (`Runtime.call` drives it): its
+    calls run under the runtime's lock, so no other thread's call evicts their experts
+    meanwhile. With `next_router` (prefetch), a one-token call predicts the next layer's experts
+    from its own input and reads them while it computes. With `slots`, a call computes on the
+    slot pool, its ids remapped (`_on_slots`)."""
+
+    computes_parts = False  # a call computes at once: every expert of it must fit
+
+    def __init__(self, module: torch.nn.Module, layer: int, runtime: Runtime,
+                 next_router: tuple[Callable[[torch.Tensor], torch.Tensor], int] | None,
+                 slots: DeviceSlots | None):
+        self.module, self.layer, self.runtime = module, layer, runtime
+        self.next_router, self.slots = next_router, slots
+        self.forward = module.forward
+        self.params = _expert_params(module)  # the memory reads land in
+        # reads land through numpy, which leaves torch's version counters as they are: a counter
+        # that moved is the user's in-place edit, which an evicted expert would lose
+        self.where = [(name, param.data_ptr(), param._version) for name, param in self.params]
+        self.waits = self.params[0][1].device.type != "cpu"  # reading ids from a GPU: a sync
+        # a gradient reaches the experts only when none ever leaves its memory and the module
+        # computes from it (not from a gathered copy)
+        self.trainable = runtime.holds_all and slots is None
+
+    def check(self) -> None:
+        """Refuse experts moved, converted or changed in place since load."""
+        for name, address, version in self.where:
+            param = getattr(self.module, name)
+            if param.data_ptr() != address:
+                raise ModelError(
+                    f"layer {self.layer}: the experts' '{name}' was moved or converted after "
+                    "load (model.to, .half, ...), which streaming cannot follow: the experts "
+                    "are read in the checkpoint's dtype to the device they were loaded on")
+            if param._version != version and not self.trainable:  # else they stay, as trained
+                raise ModelError(
+                    f"layer {self.layer}: the experts' '{name}' was changed in place after load, "
+                    "which streaming cannot keep: an evicted expert is read again from the "
+                    "checkpoint; save the changed weights as a checkpoint and load that")
+
+    def predicts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, *rest) -> bool:
+        """One-token calls predict, where the next layer's router takes this input (a latent
+        MoE's experts take less)."""
+        return (self.next_router is not None and top_k_index.numel() == top_k_index.shape[-1]
+                and hidden_states.shape[-1] == self.next_router[1])
+
+    def routed(self, predict: bool, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               *rest) -> tuple[np.ndarray, np.ndarray | None]:
+        ids = top_k_index.detach().to("cpu").numpy()
+        if self.waits:
+            self.runtime.count_sync()
+        if not predict:
+            return ids, None
+        with torch.no_grad():
+            picks = self.next_router[0](hidden_states).topk(self.runtime.plan.top_k, dim=-1)
+        if self.waits:
+            self.runtime.count_sync()
+        return ids, np.unique(picks.indices.to("cpu").numpy())
+
+    def compute(self, ids: np.ndarray, placed: np.ndarray, hidden_states: torch.Tensor,
+                top_k_index: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        if self.slots is None:
+            out = self.forward(hidden_states, top_k_index, *args, **kwargs)
+        else:
+            self.slots.ready()
+            out = _on_slots(self.module, self.forward, hidden_states, ids, placed, top_k_index,
+                            *args, **kwargs)
+        return _NoBackward.apply(out, self.layer) if out.requires_grad and not self.trainable \
+            else out
+
+    def compute_rounds(self, ids: np.ndarray, rounds, *inputs) -> torch.Tensor:
+        num_experts = self.runtime.plan.layers[self.layer].num_experts
+        raise BudgetError(
+            f"layer {self.layer}: a call routes to more experts than the budget holds at once "
+            f"({self.runtime.capacity(self.layer)} of {num_experts}); raise the budget")
+
+    compute_chunks = compute_rounds  # never called: `computes_parts` is False
+
+    def issued(self, output: torch.Tensor) -> None:
+        """CUDA computes the output asynchronously; the slot copies wait for it (`DeviceSlots`)."""
+
+
 def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
             next_router: tuple[Callable[[torch.Tensor], torch.Tensor], int] | None,
             slots: DeviceSlots | None) -> None:
-    """Before each call of the experts module, make its routed experts resident; the call
-    itself runs under the runtime's lock, so no other thread's call evicts them meanwhile.
-    With `next_router` (prefetch), a one-token call predicts the next layer's experts from its
-    own input and reads them while it computes. With `slots`, the call computes on the slot
-    pool, its ids remapped (`_on_slots`)."""
-    forward = module.forward
-    num_experts = runtime.plan.layers[layer].num_experts
-    top_k = runtime.plan.top_k
-    # the memory reads land in: `model.to(...)`, `.half()` and the like copy the experts out
-    # of it, and the copies would never be read into
-    params = _expert_params(module)
-    # reads land in their memory through numpy, which leaves torch's version counters as they
-    # are: a counter that moved is the user's in-place edit, which an evicted expert would lose
-    where = [(name, param.data_ptr(), param._version) for name, param in params]
-    waits = params[0][1].device.type != "cpu"  # reading ids from a GPU waits for it: a sync
-    # a gradient reaches the experts it was computed from only when no expert ever leaves
-    # its memory, and the module computes from it (not from a gathered copy)
-    trainable = runtime.holds_all and slots is None
+    """Make each call of the experts module a streamed call (see `_StreamedExperts`)."""
+    streamed = _StreamedExperts(module, layer, runtime, next_router, slots)
     module.register_state_dict_post_hook(_refuse_saving)
     # set before `forward`, a local function pickle cannot name: pickling the model (`torch.save
     # (model)`) reaches the runtime first, which refuses clearly (`Runtime.__reduce__`)
@@ -851,44 +917,8 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
     @torch.compiler.disable  # numpy bookkeeping and a lock, not a graph: it runs as is
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
         with runtime.lock:  # another thread's call of this layer may swap its experts (eager)
-            for name, address, version in where:
-                param = getattr(module, name)
-                if param.data_ptr() != address:
-                    raise ModelError(
-                        f"layer {layer}: the experts' '{name}' was moved or converted after "
-                        "load (model.to, .half, ...), which streaming cannot follow: the experts "
-                        "are read in the checkpoint's dtype to the device they were loaded on")
-                if param._version != version and not trainable:  # else they stay, as trained
-                    raise ModelError(
-                        f"layer {layer}: the experts' '{name}' was changed in place after load, "
-                        "which streaming cannot keep: an evicted expert is read again from the "
-                        "checkpoint; save the changed weights as a checkpoint and load that")
-            ids = top_k_index.detach().to("cpu").numpy()
-            if waits:
-                runtime.count_sync()
-            prefetch = runtime.prefetch  # predicting is decided before `route`, as in MLX
-            predict = (prefetch and next_router is not None and ids.size == ids.shape[-1]
-                       and hidden_states.shape[-1] == next_router[1]  # a latent MoE's take less
-                       and prefetch.wanted(layer))
-            placed = runtime.route(layer, ids)
-            if placed is None:
-                raise BudgetError(
-                    f"layer {layer}: a call routes to more experts than the budget holds at "
-                    f"once ({runtime.capacity(layer)} of {num_experts}); raise the budget")
-            if predict:
-                with torch.no_grad():
-                    picks = next_router[0](hidden_states).topk(top_k, dim=-1).indices
-                runtime.read_ahead(layer, np.unique(picks.to("cpu").numpy()))
-                if waits:
-                    runtime.count_sync()
-            if slots is None:
-                out = forward(hidden_states, top_k_index, *args, **kwargs)
-            else:
-                slots.ready()
-                out = _on_slots(module, forward, hidden_states, ids, placed, top_k_index,
-                                *args, **kwargs)
-            runtime.tally()  # while the device computes (CUDA runs it asynchronously)
-            return _NoBackward.apply(out, layer) if out.requires_grad and not trainable else out
+            streamed.check()
+            return runtime.call(streamed, hidden_states, top_k_index, args, kwargs)
 
     module.forward = streaming_forward
 

@@ -31,7 +31,7 @@ try:
     elif step == "stats":
         mlx_moestream.host_stats(model)
     else:
-        cli._read_on_host_0(model.moestream.watchdog, ">>> ")
+        cli._read_on_host_0(model.moestream.backend.watchdog, ">>> ")
 except RuntimeError as e:
     print(f"Error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)

@@ -374,7 +374,7 @@ def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, mo
         else:
             greedy_logits(model, decode_tokens=8)
     monkeypatch.undo()
-    runtime.settle()
+    runtime.backend.settle()
     layer = next(layer for layer in range(runtime.plan.num_layers)
                  if (runtime.slot_map(layer) >= 0).any())
     hits = np.flatnonzero(runtime.slot_map(layer) >= 0)[None, None]
@@ -463,15 +463,15 @@ def test_a_call_failing_after_its_experts_are_resident_is_counted_and_the_next_a
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="25%")
     runtime = model.moestream
-    in_flight, calls = runtime.settle.__self__, itertools.count()
-    original = in_flight.add
+    backend, calls = runtime.backend, itertools.count()
+    original = backend.issue
 
     def failing_at_layer_1(y):
         if next(calls) == 1:
             raise RuntimeError("the device failed")
         original(y)
 
-    monkeypatch.setattr(in_flight, "add", failing_at_layer_1)
+    monkeypatch.setattr(backend, "issue", failing_at_layer_1)
     with pytest.raises(RuntimeError, match="the device failed"):
         mx.eval(model(mx.array(PROMPT_IDS)[:, :1]))
     monkeypatch.undo()
@@ -551,7 +551,7 @@ def test_an_interrupt_while_deferred_routing_is_counted_loses_none_of_it(tiny_mo
     `stats()`): Ctrl-C while one is counted lands once all those taken are."""
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%")
     runtime = model.moestream
-    deferred, routed, armed = runtime.count_deferred.__self__, [0], []
+    deferred, routed, armed = runtime.backend.deferred, [0], []
     add, admit = deferred.add, runtime._admit
 
     def adding(layer, indices):
@@ -579,7 +579,7 @@ def test_routing_counted_later_stays_whole_after_a_forward_call_cut_short(tiny_m
     short midway (Ctrl-C in its second MoE layer) counts as far as it ran, and every call
     after it counts in full."""
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="100%")
-    deferred = model.moestream.count_deferred.__self__
+    deferred = model.moestream.backend.deferred
     add, routed, armed = deferred.add, [0] * model.moestream.plan.num_layers, []
 
     def adding(layer, indices):

@@ -17,7 +17,8 @@ for name in ("mlx", "mlx_lm", "torch", "transformers"):
 import numpy as np
 from safetensors.numpy import load_file
 from mlx_moestream.plan import ExpertLayer, ModelPlan
-from mlx_moestream.runtime import Runtime, SlotPool
+from mlx_moestream.backend import Backend, SlotPool
+from mlx_moestream.runtime import Runtime
 from mlx_moestream.store import ExpertStore
 
 path, raw = sys.argv[1], json.loads(sys.argv[2])
@@ -28,12 +29,13 @@ raw.pop("num_layers")
 plan = ModelPlan(layers=layers, **raw)
 
 
-def numpy_pool(like, num_slots):
-    return SlotPool({n: np.zeros((num_slots, *s), d) for n, (s, d, _) in like.specs.items()})
+class NumpyBackend(Backend):
+    def new_pool(self, like, num_slots):
+        return SlotPool({n: np.zeros((num_slots, *s), d) for n, (s, d, _) in like.specs.items()})
 
 
 budget = plan.expert_bytes // 4
-runtime = Runtime(plan, ExpertStore(path), budget, numpy_pool)
+runtime = Runtime(plan, ExpertStore(path), budget, NumpyBackend())
 weights = load_file(f"{path}/model.safetensors")
 rng = np.random.default_rng(0)
 for token in range(16):
