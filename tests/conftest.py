@@ -9,8 +9,8 @@ import pytest
 
 from mlx_moestream.testing import greedy_logits, make_tiny_moe
 
-# The README's test command runs the venv's python without activating the venv: its commands
-# (`mlx-moestream`, `mlx.launch`, `python`) are found as in an activated one, not elsewhere on PATH.
+# Commands the tests start (`mlx.launch`, `mlx-moestream`, `python`) are those of the venv whose
+# python runs the tests, as in the README's activated venv, whether or not that venv is activated.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 

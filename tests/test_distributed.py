@@ -257,15 +257,6 @@ def test_a_host_holding_fewer_experts_of_a_layer_than_top_k_needs_only_those(tin
     assert share.min_budget_bytes == 2 * share.layers[0].slot_bytes  # one pool for both layers
 
 
-def test_the_readme_two_host_command_runs_as_written():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    command = re.search(r"^(mlx\.launch --backend ring -n 2 -- mlx-moestream chat .*)$", readme,
-                        re.M).group(1)
-    out = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
-    assert "Node with rank" not in out.stderr, out.stderr[-3000:]
-    assert out.stdout.count("generated at") == 1 and "all 2 hosts" in out.stdout
-
-
 def test_every_token_counts_on_a_host_that_owns_none_of_a_call(run_hosts):
     """Top-2 of 8 experts over 2 hosts: some layer-0 calls route to the other host alone; the
     tokens still count on both hosts (the policies decay by them)."""

@@ -1,47 +1,237 @@
-"""Commands the README shows run as written (those that need no model download)."""
+"""Every command the README shows runs as written, in order, section by section, in one folder
+per section, as a shell that ran the README's first command would run it.
 
+Each command line of a ```bash block is split on ` && `; each part goes to the handler of its
+prefix (HANDLERS). A part no handler claims fails `test_every_readme_command_has_a_handler`:
+a new kind of command needs a handler here before the README may show it. Installs are not
+run again: they are checked against `.ci/run`, which runs the README's test command exactly.
+Every ```python block runs too, after the bash blocks before it in its section. A hub id would
+need a download: HUB_MODELS maps each one shown to a tiny local model of its architecture
+(the commands run with HF_HUB_OFFLINE=1, so one left unmapped fails).
+"""
+
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+CI = (ROOT / ".ci" / "run").read_text()
+TIMEOUT = 300
+
+# hub id -> the tiny model (tests/conftest.py's `tiny_model` arguments) that stands for it
+HUB_MODELS = {"mlx-community/Qwen3-30B-A3B-4bit": ("qwen3_moe", {"bits": 4})}
+HUB_ID = re.compile(r"\b(?:mlx-community|Qwen|mistralai|deepseek-ai|openai|allenai)/[\w.-]+")
+COMMANDS = ("mlx-moestream ", "mlx.launch ", "python ", "python3 ", "pip ", ". ")
 
 
-def test_the_tiny_model_command_builds_a_model_that_loads(tmp_path):
-    command = re.search(r"`(python scripts/make_tiny_moe\.py [^`]*)`", README).group(1)
-    _, script, out, *flags = shlex.split(command)
-    done = subprocess.run([sys.executable, ROOT / script, tmp_path / out, *flags],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    inspect = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", "inspect", "--model",
-                              tmp_path / out], capture_output=True, text=True, timeout=300)
-    assert inspect.returncode == 0 and "minimum budget" in inspect.stdout, inspect.stderr
+def sections(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(`## ` heading, its ```bash and ```python blocks in order); the text before the first
+    heading is the section ''."""
+    out = []
+    for i, part in enumerate(re.split(r"^## ", text, flags=re.M)):
+        heading, _, body = part.partition("\n") if i else ("", "", part)
+        blocks = re.findall(r"^```(bash|python)\n(.*?)^```", body, re.M | re.S)
+        out.append((heading.strip(), blocks))
+    return out
 
 
-def test_the_first_command_is_the_embedded_chat_the_readme_promises():
-    first = re.search(r"```bash\n(.*?)\n```", README, re.S).group(1)
-    chat = first.split("&& ")[-1]
-    assert chat.startswith(".venv/bin/mlx-moestream chat ")
-    args = shlex.split(chat)[1:]
-    done = subprocess.run([sys.executable, "-m", "mlx_moestream.cli", *args],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "hit rate" in done.stdout
+def command_parts(text: str) -> list[str]:
+    """Every command of every ```bash block, in order, each line split on ` && `."""
+    parts = []
+    for _, blocks in sections(text):
+        for lang, body in blocks:
+            if lang == "bash":
+                for line in body.splitlines():
+                    assert not line.rstrip().endswith("\\"), f"one command per line: {line}"
+                    if line.strip():
+                        parts += [p.strip() for p in line.split(" && ")]
+    return parts
 
 
-def test_the_python_api_example_runs_on_a_local_model(tiny_model, tmp_path):
-    """As written but for the model (no download here): a tiny one of the same architecture."""
-    import os
+def bash_lines(text: str) -> list[str]:
+    return [body.strip() for _, blocks in sections(text) for lang, body in blocks
+            if lang == "bash"]
 
-    block = re.search(r"## Python API\n\n```python\n(.*?)\n```", README, re.S).group(1)
-    hub_id = "mlx-community/Qwen3-30B-A3B-4bit"
-    assert block.count(hub_id) == 2
-    code = block.replace(f'"{hub_id}"', repr(str(tiny_model("qwen3_moe", bits=4))))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path,
-                          env={**os.environ, "MLX_MOESTREAM_PROFILES": str(tmp_path)})
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "my-workload.json").exists()
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def ci_command() -> str:
+    """The command `.ci/run` runs: its last line."""
+    return CI.strip().splitlines()[-1]
+
+
+class Shell:
+    """One section's folder and environment: profiles saved by name land in the folder, no
+    download is attempted, and hub ids are replaced by tiny local models."""
+
+    def __init__(self, cwd: Path, tiny_model):
+        self.cwd, self.tiny_model = cwd, tiny_model
+        self.env = {**os.environ, "MLX_MOESTREAM_PROFILES": str(cwd), "HF_HUB_OFFLINE": "1"}
+
+    def local(self, text: str) -> str:
+        for hub_id in HUB_ID.findall(text):
+            assert hub_id in HUB_MODELS, f"{hub_id}: add a tiny stand-in to HUB_MODELS"
+            arch, kwargs = HUB_MODELS[hub_id]
+            text = text.replace(hub_id, str(self.tiny_model(arch, **kwargs)))
+        return text
+
+    def run(self, argv: list, stdin: str | None = None) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(a) for a in argv], cwd=self.cwd, env=self.env, input=stdin,
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-3000:])
+        return done
+
+
+def check_install(shell: Shell | None, part: str) -> None:
+    """Not run again (this environment is the installed one): what it installs is what
+    `.ci/run` installs, the same pins and no extra it lacks."""
+    ci_parts = ci_command().split(" && ")
+    if not part.startswith("pip install "):
+        assert part in ci_parts, f"{part!r} is not in .ci/run"
+        return
+    ci_args = [shlex.split(p)[2:] for p in ci_parts if p.startswith("pip install ")]
+    ci_pins = {a for args in ci_args for a in args if "==" in a}
+    ci_extras = {e for args in ci_args for a in args if a.startswith(".[")
+                 for e in a[2:-1].split(",")}
+    for arg in shlex.split(part)[2:]:
+        if "==" in arg:
+            assert arg in ci_pins, f"{part!r}: {arg} is not .ci/run's pin {ci_pins}"
+        elif arg.startswith(".["):
+            assert set(arg[2:-1].split(",")) <= ci_extras, f"{part!r}: extras not in .ci/run"
+        else:
+            assert arg in ("-q", "-e", "."), f"{part!r}: {arg} is not in .ci/run"
+
+
+def check_test_command(shell: Shell | None, part: str) -> None:
+    """The test command itself (this suite): not run again here; .ci/run runs it."""
+    assert part == "python -m pytest -q"
+    assert ci_command().endswith(" && " + part)
+
+
+def needs_torch(text: str) -> None:
+    if "torch" in text:
+        pytest.importorskip("torch")
+        pytest.importorskip("transformers")
+
+
+def run_cli(shell: Shell, part: str) -> None:
+    """`mlx-moestream ARGS` as `python -m mlx_moestream.cli ARGS`; an interactive chat gets
+    one message, then the end of its input."""
+    args = shlex.split(shell.local(part))[1:]
+    if "--backend" in args and args[args.index("--backend") + 1] == "torch":
+        needs_torch("torch")
+    interactive = args[0] == "chat" and "--prompt" not in args
+    done = shell.run([sys.executable, "-m", "mlx_moestream.cli", *args],
+                     stdin="Ciao, come stai?\n" if interactive else None)
+    if args[0] == "chat":
+        assert "hit rate" in done.stdout, done.stdout[-2000:]
+
+
+def run_launch(shell: Shell, part: str) -> None:
+    """`mlx.launch OPTIONS -- mlx-moestream ARGS`: the venv's launcher (conftest puts this
+    python's folder first on PATH), each host `python -m mlx_moestream.cli ARGS`."""
+    args = shlex.split(part)
+    split = args.index("--")
+    host = args[split + 1:]
+    assert host[0] == "mlx-moestream", part
+    launcher = shutil.which("mlx.launch")
+    assert launcher, "mlx.launch is not on PATH"
+    done = shell.run([launcher, *args[1:split], "--", sys.executable, "-m",
+                      "mlx_moestream.cli", *host[1:]])
+    assert "Node with rank" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.count("generated at") == 1 and "all 2 hosts" in done.stdout
+
+
+def run_python_c(shell: Shell, part: str) -> None:
+    _, flag, code = shlex.split(shell.local(part))
+    assert flag == "-c"
+    needs_torch(code)
+    shell.run([sys.executable, "-c", code])
+
+
+def run_script(shell: Shell, part: str) -> None:
+    """`python FILE ARGS`: FILE is the checkout's (the README's commands run from its root);
+    what it writes lands in the section's folder."""
+    _, script, *args = shlex.split(shell.local(part))
+    assert (ROOT / script).is_file(), f"{part!r}: no {script} in the checkout"
+    shell.run([sys.executable, ROOT / script, *args])
+
+
+# (prefix, handler), first match wins; a command no prefix matches fails the test below
+HANDLERS = [
+    ("python3 -m venv ", check_install),
+    (". .venv/bin/activate", check_install),
+    ("pip install ", check_install),
+    ("python -m pytest", check_test_command),
+    ("mlx-moestream ", run_cli),
+    ("mlx.launch ", run_launch),
+    ("python -c ", run_python_c),
+    ("python ", run_script),
+]
+
+
+def handler(part: str):
+    return next((h for prefix, h in HANDLERS if part.startswith(prefix)), None)
+
+
+def test_every_readme_command_has_a_handler():
+    fences = re.findall(r"^```(\w*)\n.*?^```", README, re.M | re.S)
+    assert set(fences) <= {"bash", "python"}, f"blocks no test runs: {fences}"
+    parts = command_parts(README)
+    assert parts, "the README shows no ```bash block"
+    unknown = [p for p in parts if handler(p) is None]
+    assert not unknown, f"commands no test runs (add a handler to HANDLERS): {unknown}"
+
+
+def test_inline_commands_are_those_the_blocks_run():
+    """A command shown `inline` is one a ```bash block shows (and so one a test runs)."""
+    shown = set(command_parts(README))
+    inline = [c for c in re.findall(r"`([^`\n]+)`", README) if c.startswith(COMMANDS)]
+    assert not [c for c in inline if c not in shown], inline
+
+
+def test_the_readme_starts_with_the_main_job_then_the_tests():
+    first, second = bash_lines(README)[:2]
+    assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install ")
+    assert first.split(" && ")[-1].startswith("mlx-moestream chat ")
+    assert "\n" not in second and second == ci_command()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    lines = [line for line in CI.splitlines() if line and not line.startswith("#")]
+    assert lines == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', bash_lines(README)[1]]
+
+
+RUNNABLE = [(heading or "top", blocks) for heading, blocks in sections(README) if blocks]
+
+
+@pytest.mark.parametrize("heading, blocks", RUNNABLE, ids=[anchor(h) for h, _ in RUNNABLE])
+def test_the_readme_section_runs_as_written(heading, blocks, tiny_model, tmp_path):
+    shell = Shell(tmp_path, tiny_model)
+    for lang, body in blocks:
+        if lang == "python":
+            needs_torch(body)
+            shell.run([sys.executable, "-c", shell.local(body)])
+            continue
+        for line in body.splitlines():
+            for part in filter(None, (p.strip() for p in line.split(" && "))):
+                handler(part)(shell, part)
+    if heading == "Python API":
+        assert (tmp_path / "my-workload.json").exists()
+
+
+def test_the_python_api_example_names_one_hub_model_twice():
+    """The example loads a real model; the test above runs it on a tiny one of its kind."""
+    block = re.search(r"^## Python API\n\n```python\n(.*?)\n```", README, re.S | re.M).group(1)
+    assert block.count('"mlx-community/Qwen3-30B-A3B-4bit"') == 2

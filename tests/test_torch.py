@@ -529,21 +529,6 @@ def test_inspect_for_the_torch_backend_states_the_minimum_its_load_takes(hf_mode
     moestream_torch.load(path, budget=need)
 
 
-def test_the_readme_torch_commands_run_as_written(tmp_path):
-    """The README's torch block past its installs (which this environment has done), then its
-    Python example, in one folder."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    command = re.search(r'pip install -q -e "\.\[torch\]" && (python -c .*)\n', readme).group(1)
-    done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    example = re.search(r"```python\n(import mlx_moestream, mlx_moestream.torch\n.*?)```", readme,
-                        re.S).group(1)
-    done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-
-
 def resident_pages(buffer) -> int:
     """Pages of an anonymous map backed by memory now (/proc/self/pagemap's present bit)."""
     import ctypes
