@@ -235,3 +235,45 @@ def test_the_python_api_example_names_one_hub_model_twice():
     """The example loads a real model; the test above runs it on a tiny one of its kind."""
     block = re.search(r"^## Python API\n\n```python\n(.*?)\n```", README, re.S | re.M).group(1)
     assert block.count('"mlx-community/Qwen3-30B-A3B-4bit"') == 2
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_links_reach_a_file_and_heading(doc):
+    path = ROOT / doc
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, fragment = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{doc}: {target}"
+        if fragment:
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.M)
+            assert fragment in {anchor(h) for h in headings}, f"{doc}: {target}"
+
+
+def test_the_cli_table_names_every_subcommand_and_option():
+    """Each subcommand of the program has a row of the README's CLI table, and the row names
+    each of its options (by one of its names) but --help."""
+    import click
+
+    from mlx_moestream.cli import main
+
+    table = re.search(r"^## CLI reference\n(.*?)^## ", README, re.M | re.S).group(1)
+    rows = {}
+    for line in table.splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| `") and len(cells) == 3:
+            words = cells[0].strip("| `").split()
+            rows[" ".join(words[:2] if words[0] == "profile" else words[:1])] = cells[2]
+    commands = {}
+    for name, command in main.commands.items():
+        for sub_name, sub in getattr(command, "commands", {None: command}).items():
+            commands[f"{name} {sub_name}" if sub_name else name] = sub
+    assert set(rows) == set(commands), (sorted(rows), sorted(commands))
+    for name, command in commands.items():
+        missing = [p.opts for p in command.params if isinstance(p, click.Option)
+                   and not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", rows[name])
+                               for o in p.opts)]
+        assert not missing, f"{name}: options {missing} not in the README's CLI table"
