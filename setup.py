@@ -8,9 +8,9 @@ from pathlib import Path
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-SOURCE = "mlx_moestream/_cyclic.pyx"
+SOURCE = "mlx_moestream/policies/_cyclic.pyx"
 digest = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
 setup(ext_modules=cythonize(
-    [Extension("mlx_moestream._cyclic", [SOURCE],
+    [Extension("mlx_moestream.policies._cyclic", [SOURCE],
                define_macros=[("SOURCE_DIGEST", f'"{digest}"')])],
     language_level=3))

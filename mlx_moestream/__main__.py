@@ -5,7 +5,7 @@ import sys
 
 def main() -> None:
     """`cli.run`, once the package imports: in a checkout whose compiled part was not built, or
-    was built from another source (`policies`), that failure is one line, not a traceback."""
+    was built from another source (`policies.cyclic`), that failure is one line, not a traceback."""
     try:
         from .cli import run
     except ImportError as e:

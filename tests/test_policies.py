@@ -8,7 +8,6 @@ from functools import cache
 import numpy as np
 import pytest
 
-from mlx_moestream import policies
 from mlx_moestream.cache import ExpertCache, split_slots
 from mlx_moestream.policies import (
     DEFAULT_POLICY,
@@ -20,7 +19,9 @@ from mlx_moestream.policies import (
     Policy,
     WindowLFU,
     make_policy,
+    wlfu,
 )
+from mlx_moestream.policies.cyclic import LayerCyclic
 from mlx_moestream.replay import replay, sweep
 from mlx_moestream.trace import Trace, synthetic_trace
 
@@ -268,7 +269,7 @@ def test_wlfu_evicts_as_a_full_ranking_does_when_it_ranks_only_keys_below_its_bo
             self.bound = np.inf  # every ranking reads every candidate
             super()._rank(protected)
 
-    monkeypatch.setattr(policies, "_RANK_SIZE", rank_size)
+    monkeypatch.setattr(wlfu, "_RANK_SIZE", rank_size)
     trace = synthetic_trace(300, 8, 128, 8, seed=6)
     caches = [_cache(slots, 8, 128, lambda n: WindowLFU(n, 8 * 128)),
               _cache(slots, 8, 128, lambda n: FullRanking(n, 8 * 128))]
@@ -514,12 +515,12 @@ def test_cyclic_is_initialized_once():
     """Its compiled state is sized once: sizes and arrays cannot part."""
     policy = make_policy("cyclic", 8, 32, num_experts=16)
     with pytest.raises(RuntimeError, match="once"):
-        policies.LayerCyclic.__init__(policy, 8, 64, 16)
+        LayerCyclic.__init__(policy, 8, 64, 16)
 
 
 def test_cyclic_victims_of_an_uninitialized_policy_is_an_error():
     with pytest.raises(RuntimeError, match="initialized"):
-        policies.LayerCyclic.__new__(policies.LayerCyclic).victims(1, set())
+        LayerCyclic.__new__(LayerCyclic).victims(1, set())
 
 
 def test_a_compiled_policy_built_from_another_source_refuses_to_load():
@@ -527,8 +528,8 @@ def test_a_compiled_policy_built_from_another_source_refuses_to_load():
     a shared environment, the build is not of the source beside it: the import says so, rather
     than run other code than the source reads. (The build at hand is of its source: every
     other test imports it.)"""
-    load = ("from mlx_moestream import _cyclic; _cyclic.SOURCE_DIGEST = 'another'; "
-            "import mlx_moestream.policies")
+    load = ("from mlx_moestream.policies import _cyclic; _cyclic.SOURCE_DIGEST = 'another'; "
+            "import mlx_moestream.policies.cyclic")
     done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
@@ -538,7 +539,8 @@ def test_a_compiled_policy_built_from_another_source_refuses_to_load():
 def test_the_program_says_in_one_line_that_the_compiled_policy_is_stale():
     """`mlx-moestream` (its console script runs `__main__.main`) in a checkout not rebuilt after
     a pull: the refused import is one line, not a traceback."""
-    run = ("import sys; from mlx_moestream import _cyclic; _cyclic.SOURCE_DIGEST = 'another'; "
+    run = ("import sys; from mlx_moestream.policies import _cyclic; "
+           "_cyclic.SOURCE_DIGEST = 'another'; "
            "from mlx_moestream.__main__ import main; sys.argv = ['mlx-moestream', '--help']; main()")
     done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True)
     assert done.returncode == 1

@@ -1,0 +1,134 @@
+"""The interface every eviction policy implements, its registry, and the helpers policies share.
+
+Plain Python and numpy, so the pure-Python policies import without the compiled module.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+
+def all_in_use() -> RuntimeError:
+    """The error of a `victims` call that finds every resident key protected."""
+    return RuntimeError("every resident expert is in use by the current call")
+
+
+class Policy:
+    """Orders resident keys for eviction. The cache owns residency; a policy only ranks.
+
+    A key is `layer * num_experts + expert`, below `num_keys`, so state can live in numpy
+    arrays indexed by key. A call's misses come as one `victims` then one `access`, so a policy
+    can choose them together and count the call in one update. A subclass given `name=`
+    registers under that name, for `make_policy`; its traits tell callers how to build it.
+    """
+
+    registry: ClassVar[dict[str, type[Policy]]] = {}
+    layered: ClassVar[bool] = False  # takes `num_experts`: a key's layer is `key // num_experts`
+    offline: ClassVar[bool] = False  # takes `future`, the keys a replay will use: replay only
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            Policy.registry[name] = cls
+
+    def __init__(self, capacity: int, num_keys: int):
+        self.capacity = capacity
+        self.num_keys = num_keys
+
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
+        """`keys` were used by one call: distinct, at least one, a list the policy may keep (the
+        caller leaves it unchanged); `new` lists those that just became resident (its misses)."""
+        raise NotImplementedError
+
+    def insert(self, keys: list[int]) -> None:
+        """`keys` became resident without a use (a prefetch): ranked as unused until a call uses
+        them, so a wrong prediction is the first to go."""
+        raise NotImplementedError
+
+    def victims(self, n: int, protected: set[int]) -> list[int]:
+        """Remove and return the next `n` keys to evict, never one of `protected` (the keys of
+        the current call)."""
+        raise NotImplementedError
+
+    def remove(self, key: int) -> None:
+        """`key` left without an eviction."""
+        raise NotImplementedError
+
+    def warm(self, keys: list[int]) -> None:
+        """`keys` became resident by a pre-warm, on the strength of seeded counts."""
+        for key in keys:
+            self.access([key], [key])
+
+    def tick(self, tokens: int) -> None:
+        """Advance the token clock by `tokens`."""
+
+    def seed(self, counts: dict[int, float]) -> None:
+        """Start from a saved activation profile, `{key: count}`."""
+
+
+class Resident:
+    """Resident keys packed at the front of an array, so choosing a victim is one argmin."""
+
+    def __init__(self, num_keys: int):
+        self.keys = np.zeros(num_keys, np.int64)
+        self.pos = np.full(num_keys, -1, np.int64)  # index of the key in `keys`, -1 if absent
+        self.n = 0
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.keys[: self.n]
+
+    def add(self, key: int) -> None:
+        if self.pos[key] >= 0:
+            raise KeyError(f"key {key} is already resident")
+        self.keys[self.n] = key
+        self.pos[key] = self.n
+        self.n += 1
+
+    def drop(self, key: int) -> None:
+        i = self.pos[key]
+        if i < 0:
+            raise KeyError(f"key {key} is not resident")
+        self.n -= 1
+        moved = self.keys[self.n]
+        self.keys[i] = moved
+        self.pos[moved] = i
+        self.pos[key] = -1
+
+    def pop_min(self, score: np.ndarray, protected: set[int], tie: np.ndarray | None = None,
+                or_none: bool = False) -> int | None:
+        """Drop and return the key of least `score`, skipping `protected`.
+
+        Args:
+            score: one float per `active` key, overwritten.
+            tie: among equal scores, the key of least `tie[key]` goes.
+            or_none: when every key is protected, return None rather than raise.
+        """
+        if protected:
+            at = self.pos[list(protected)]
+            score[at[at >= 0]] = np.inf
+        i = int(score.argmin()) if len(score) else -1
+        if i < 0 or score[i] == np.inf:
+            if or_none:
+                return None
+            raise all_in_use()
+        if tie is not None:
+            equal = (score == score[i]).nonzero()[0]
+            if len(equal) > 1:
+                i = int(equal[tie[self.keys[equal]].argmin()])
+        key = int(self.keys[i])
+        self.drop(key)
+        return key
+
+
+def add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0) -> None:
+    """Add seeded `counts` ({key: count}), times `weight`, to `count`, refusing bad ones."""
+    keys = np.fromiter(counts.keys(), np.int64, len(counts))
+    values = np.fromiter(counts.values(), np.float64, len(counts))
+    if len(keys) and (keys.min() < 0 or keys.max() >= len(count)):
+        raise ValueError(f"seed keys must be in [0, {len(count)}), got {keys.min()}..{keys.max()}")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError("seed counts must be finite and non-negative")
+    np.add.at(count, keys, values * weight)
