@@ -23,7 +23,7 @@ from .budget import format_bytes, resolve_budget
 from .errors import BudgetError
 from .policies import DEFAULT_POLICY, POLICIES
 
-LIVE_POLICIES = [name for name in POLICIES if name != "belady"]  # belady needs the future
+LIVE_POLICIES = [name for name, cls in POLICIES.items() if not cls.offline]  # need no future
 
 
 class BudgetType(click.ParamType):

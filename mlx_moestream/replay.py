@@ -18,7 +18,7 @@ import numpy as np
 
 from .cache import ExpertCache, split_slots
 from .files import WRITER, atomic_write, check_replaceable
-from .policies import Belady, Future, Policy
+from .policies import Future, Policy, make_policy, policy_class
 from .profiles import Profile
 from .stats import Stats
 from .trace import Trace
@@ -244,8 +244,9 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
     trace = prepared.trace
     layers, num_experts = trace.layers, trace.num_experts
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
-    if policy == "belady":
-        policy = partial(Belady, num_keys=layers * num_experts, future=prepared.future)
+    if isinstance(policy, str) and policy_class(policy).offline:  # it is given the trace ahead
+        policy = partial(make_policy, policy, num_keys=layers * num_experts,
+                         future=prepared.future)
     layer_slots = None
     if _splits(per_layer):
         weights = np.ones(layers) if isinstance(per_layer, bool) else per_layer

@@ -35,7 +35,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_moestream.cache import ExpertCache  # noqa: E402
-from mlx_moestream.policies import POLICIES, Belady, Future, Policy, make_policy  # noqa: E402
+from mlx_moestream.policies import (  # noqa: E402
+    POLICIES,
+    Future,
+    Policy,
+    make_policy,
+    policy_class,
+)
 from mlx_moestream.replay import sweep  # noqa: E402
 from mlx_moestream.stats import Stats  # noqa: E402
 from mlx_moestream.trace import synthetic_trace  # noqa: E402
@@ -72,11 +78,12 @@ def time_once(name: str, slots: int, rows: list[list[list[int]]], num_experts: i
     then time the policy calls of that part alone."""
     layers = len(rows[0])
     num_keys = layers * num_experts
-    if name == "belady":
+    options = {}
+    if policy_class(name).offline:  # it is given the rows ahead
         future = [l * num_experts + e for row in rows for l, r in enumerate(row) for e in r]
-        new_policy = partial(Belady, num_keys=num_keys, future=Future(future, num_keys))
-    else:
-        new_policy = partial(make_policy, name, num_keys=num_keys, num_experts=num_experts)
+        options["future"] = Future(future, num_keys)
+    new_policy = partial(make_policy, name, num_keys=num_keys, num_experts=num_experts,
+                         **options)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)
     cache = ExpertCache(slots, list(range(layers)), num_experts, layers, new_policy)
     request, tick = cache.request, cache.tick
@@ -148,7 +155,7 @@ def rows_of(experts: np.ndarray) -> list[list[list[int]]]:
               help="Timed runs of each configuration; the fastest is reported.")
 def main(layers: int, num_experts: int, top_k: int, tokens: int, repeats: tuple[float, ...],
          seed: int, runs: int) -> None:
-    names = list(POLICIES)
+    names = sorted(POLICIES, key=lambda name: POLICIES[name].offline)  # the optimum last
     total = layers * num_experts
     trace = synthetic_trace(tokens, layers, num_experts, top_k, seed=seed)
     rows = rows_of(trace.experts)

@@ -17,7 +17,8 @@ from .classic import LFU, LRU, SLRU
 from .wlfu import WindowLFU
 
 __all__ = ["DEFAULT_POLICY", "LFU", "LRU", "POLICIES", "SLRU", "Belady", "Future",
-           "LayerCyclic", "Policy", "WindowLFU", "make_policy", "parse_policy"]
+           "LayerCyclic", "Policy", "WindowLFU", "make_policy", "parse_policy",
+           "policy_class"]
 
 DEFAULT_POLICY = "cyclic"
 
@@ -50,6 +51,11 @@ def make_policy(spec: str, capacity: int, num_keys: int, num_experts: int | None
     if cls.layered:
         options["num_experts"] = num_experts
     return cls(capacity, num_keys, **spec_options, **options)
+
+
+def policy_class(spec: str) -> type[Policy]:
+    """The class of the policy a spec names, whose traits say how to build it."""
+    return Policy.registry[parse_policy(spec)[0]]
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
