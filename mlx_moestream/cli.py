@@ -762,7 +762,7 @@ def repack(model, verify_only):
     that is not writable."""
     from . import repack as rp
     from .hub import resolve_model_path
-    from .store import find_repacked
+    from .manifest import find_repacked
 
     try:
         path = resolve_model_path(model)

@@ -2,7 +2,7 @@
 
 In a stacked checkpoint one expert is 3-9 slices scattered over as many tensors; after repacking
 it is a single read. The store uses the copy automatically when its manifest is valid for the
-model's current files (see `store.read_manifest`).
+model's current files (see `manifest.read_manifest`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoint import weight_files
 from .errors import StoreError
 from .files import atomic_write, atomic_write_text, check_replaceable
-from .store import (REPACK_SCHEMA, manifest_checksum, read_manifest, repack_dir,
-                    source_digest, weight_files)
+from .manifest import REPACK_SCHEMA, manifest_checksum, read_manifest, repack_dir, source_digest
 
 
 def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int = 4096,
            progress=None) -> Path:
-    """Write `experts.bin` and `manifest.json` into `out` (default: `store.repack_dir`).
+    """Write `experts.bin` and `manifest.json` into `out` (default: `manifest.repack_dir`).
 
     `progress(items, label)` is a context manager that may wrap the layers (a progress bar).
     """
@@ -118,7 +118,7 @@ def _read_schema(manifest: Path) -> None:
 
 
 def verify(folder: str | Path, model_dir: str | Path | None = None) -> list[str]:
-    """Check the manifest as a load does (see `store.read_manifest`), every expert block
+    """Check the manifest as a load does (see `manifest.read_manifest`), every expert block
     against its crc32 and, given `model_dir`, that the model's files are still those the copy
     was made from; returns the problems found (none: valid)."""
     folder = Path(folder)

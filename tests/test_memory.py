@@ -192,7 +192,7 @@ def test_a_read_is_dropped_while_another_read_is_in_flight(page_cache_model, mon
     import numpy as np
 
     import mlx_moestream
-    from mlx_moestream.store import DROP_ALIGN
+    from mlx_moestream.rawio import DROP_ALIGN
 
     model, _ = mlx_moestream.load(page_cache_model, budget="25%")
     store = model.moestream.store

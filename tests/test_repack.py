@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 import mlx_moestream
+from mlx_moestream.checkpoint import index_file
 from mlx_moestream.errors import StoreError
+from mlx_moestream.manifest import manifest_checksum, repack_dir
 from mlx_moestream.repack import repack, verify
-from mlx_moestream.store import ExpertStore, index_file, manifest_checksum, repack_dir
+from mlx_moestream.store import ExpertStore
 
 from mlx_moestream.testing import greedy_logits
 

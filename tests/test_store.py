@@ -145,7 +145,7 @@ def test_experts_stored_both_stacked_and_per_expert_are_refused(tiny_model, mode
 def test_a_shard_rewritten_while_the_store_indexes_it_fails_every_read(model_copy, monkeypatch):
     """Rewritten just after its header was read: the index holds the old offsets, so the file
     must not pass for the one indexed."""
-    import mlx_moestream.store as store_module
+    import mlx_moestream.checkpoint as store_module
 
     path = model_copy()
     tensors = load_file(path / "model.safetensors")
