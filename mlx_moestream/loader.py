@@ -18,13 +18,14 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from .budget import available_memory_bytes, resolve_budget
+from .budget import available_memory_bytes
 from .errors import ModelError
 from .hub import check_tokenizer, resolve_model_path
 from .mlx_backend import MLXBackend, attach, plan_model
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
+from .pipeline import Opened, load_streamed
 from .runtime import Runtime, check_options, check_tokens
 from .session import as_profile, runtime_of
 from .stats import hit_rate
@@ -116,40 +117,60 @@ def load(
     group = _host_group() if distributed else None
     if group is not None and (profile is not None or prefetch or per_layer):
         raise ValueError("distributed loads take no profile, prefetch or per-layer split yet")
+    host = (group.rank(), group.size()) if group is not None else (0, 1)
+    loader = MLXLoader(drop_page_cache, group, timeout_seconds)
     with gc_paused():
         try:  # with other hosts, each ends its load in `_join`, failed or not
             path = resolve_model_path(model, revision)
-            lazy_model, tokenizer, _, store, plan = load_lazy(path, drop_page_cache)
-            check_tokenizer(path, tokenizer)  # inspect and repack need none
-            if group is not None:
-                try:
-                    plan = plan.host_share(group.rank(), group.size())
-                except ValueError as e:
-                    raise ModelError(f"{path}: {e}") from None
-            budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                          plan.dense_bytes, memory_bytes(),
-                                          plan.budget_holding(plan.top_k, per_layer))
-            if profile is not None:
-                profile = as_profile(profile)
-                profile.check_model(plan.identity)
-            weights = profile.working_set() if per_layer and profile is not None else None
-            backend = MLXBackend(timeout_seconds if group is not None else None)
-            host = (group.rank(), group.size()) if group is not None else (0, 1)
-            runtime = Runtime(plan, store, budget_bytes, backend, policy, window_tokens,
-                              per_layer, weights, host=host)
-            attach(runtime, lazy_model, prefetch, progress, group)
-            mx.eval(lazy_model.parameters())  # the dense weights; experts left the tree
-            digest = _checkpoint_digest(path, store) if group is not None else None
-            store.loaded()  # after every read of the load: it drops them from the page cache
-            if profile is not None:
-                runtime.prewarm(profile, prewarm_share, pin_share, progress)
+            load_streamed(loader, path, budget, policy,
+                          None if profile is None else as_profile(profile),
+                          prewarm_share=prewarm_share, pin_share=pin_share,
+                          per_layer=per_layer, prefetch=prefetch,
+                          window_tokens=window_tokens, progress=progress, host=host)
         except Exception as e:
             if group is None:
                 raise
             _join(group, None, e)
         if group is not None:
-            _join(group, digest)
-        return lazy_model, tokenizer
+            _join(group, loader.digest)
+        return loader.model, loader.tokenizer
+
+
+class MLXLoader:
+    """MLX's steps of a load (`pipeline.load_streamed`): an mlx-lm model built lazily, its
+    experts modules swapped for streamed ones (`mlx_backend.attach`).
+
+    Args:
+        group: the hosts of a distributed load, each serving its share of every layer's
+            experts; their checkpoints are compared once loaded (`digest`).
+        timeout_seconds: how long an exchange between hosts may wait.
+    """
+
+    def __init__(self, drop_page_cache: bool, group=None, timeout_seconds: float = 120.0):
+        self.drop_page_cache, self.group, self.timeout_seconds = (drop_page_cache, group,
+                                                                  timeout_seconds)
+        self.path: Path | None = None
+        self.model: nn.Module | None = None
+        self.tokenizer: TokenizerWrapper | None = None
+        self.digest: bytes | None = None
+
+    def open(self, path: Path) -> Opened:
+        self.path = path
+        self.model, self.tokenizer, _, store, plan = load_lazy(path, self.drop_page_cache)
+        check_tokenizer(path, self.tokenizer)  # inspect and repack need none
+        if self.group is not None:
+            try:
+                plan = plan.host_share(self.group.rank(), self.group.size())
+            except ValueError as e:
+                raise ModelError(f"{path}: {e}") from None
+        timeout = self.timeout_seconds if self.group is not None else None
+        return Opened(plan, store, MLXBackend(timeout), memory_bytes())
+
+    def attach(self, runtime: Runtime, prefetch: bool, progress: Callable | None) -> None:
+        attach(runtime, self.model, prefetch, progress, self.group)
+        mx.eval(self.model.parameters())  # the dense weights; experts left the tree
+        if self.group is not None:  # before the load drops the files' pages
+            self.digest = _checkpoint_digest(self.path, runtime.store)
 
 
 @contextmanager

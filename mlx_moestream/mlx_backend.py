@@ -598,7 +598,6 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False, progress=
     if prefetch:
         for (experts, _), (_, router) in zip(streamed, streamed[1:]):
             object.__setattr__(experts, "next_router", router)  # None where none was found
-        runtime.enable_prefetch()
 
 
 def _router(block: nn.Module, num_experts: int):

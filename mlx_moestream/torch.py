@@ -40,12 +40,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import initialization as init
 
 from .backend import Backend, SlotPool
-from .budget import available_memory_bytes, resolve_budget
+from .budget import available_memory_bytes
 from .errors import BudgetError, ModelError, StoreError
 from .hub import check_tokenizer, resolve_model_path
 from .plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
 from .policies import DEFAULT_POLICY
 from .profiles import Profile
+from .pipeline import Opened, load_streamed
 from .runtime import Runtime, check_options
 from .session import as_profile
 from .store import ExpertStore
@@ -78,57 +79,71 @@ def load(model: str | Path, budget: int | str | None = None, *, device: str = "c
     (or "cuda:N") the budget is GPU memory for experts, `auto` sized from the GPU's free
     memory; the model's inputs go to that device, as for any transformers model on it."""
     device = _device(device)
-    rows = device.type in ROW_DEVICES
     check_options(policy, prewarm_share, pin_share, window_tokens)
     path = _model_path(model, revision)
-    if profile is not None:
-        profile = as_profile(profile)
-    # before the dense weights load: `auto` counts them
-    memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
-        available_memory_bytes()
-    lm, store, experts, plan = _build(path, drop_page_cache, experts_implementation, rows)
-    try:  # before any expert is read
-        tokenizer = _tokenizer(path)
-    except ModelError:
-        store.close()
-        raise
-    if profile is not None:
-        profile.check_model(plan.identity)
-    # generate()'s defaults (eos ids, sampling) from generation_config.json, as from_pretrained
-    lm.adjust_generation_fn(None, True, False, str(path), cache_dir=None, force_download=False,
-                            proxies=None, local_files_only=True, token=None, revision=None,
-                            subfolder="", trust_remote_code=False)
-    modules = dict(lm.named_modules())
-    layers = [(modules[e.module], e, _targets(modules[e.module], e, layer.specs))
-              for e, layer in zip(experts, plan.layers)]
-    budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
-                                  plan.dense_bytes, memory, plan.budget_holding(None, per_layer))
-    weights = profile.working_set() if per_layer and profile is not None else None
-    placed = ExpertRows(layers, store) if rows else DeviceSlots(layers, device)
-    runtime = Runtime(plan, store, budget_bytes, placed, policy, window_tokens, per_layer,
-                      weights, whole_calls=True)
-    if not rows:
-        placed.attach(runtime)
-        lm.to(device)  # the dense weights; the experts are in the slot pools already
-    for i, e in enumerate(experts):
-        nxt = experts[i + 1] if prefetch and i + 1 < len(experts) else None
-        router = nxt and _router(modules[nxt.module.rsplit(".", 1)[0]], plan.num_experts)
-        _stream(modules[e.module], i, runtime, router, None if rows else placed)
-    lm.moestream = runtime
-    lm.save_pretrained = _refuse_saving
-    streamed = [modules[e.module] for e in experts]
-    _refuse_converting(lm, streamed)
-    _compile_every_layer(len(experts))
-    if not (runtime.holds_all and rows):  # else no expert is read again, and they compute
-        _refuse_loading_experts(lm, streamed)  # from their rows
-    if prefetch:
-        runtime.enable_prefetch()
-    if runtime.holds_all:
-        runtime.read_all(progress)
-    runtime.store.loaded()
-    if profile is not None:
-        runtime.prewarm(profile, prewarm_share, pin_share, progress)
-    return lm, tokenizer
+    loader = TorchLoader(device, drop_page_cache, experts_implementation)
+    load_streamed(loader, path, budget, policy, None if profile is None else as_profile(profile),
+                  prewarm_share=prewarm_share, pin_share=pin_share, per_layer=per_layer,
+                  prefetch=prefetch, window_tokens=window_tokens, progress=progress)
+    return loader.model, loader.tokenizer
+
+
+class TorchLoader:
+    """torch's steps of a load (`pipeline.load_streamed`): a transformers model rebuilt with
+    its dense weights only, its experts modules made to stream (`_stream`) and guarded."""
+
+    def __init__(self, device: torch.device, drop_page_cache: bool,
+                 experts_implementation: str | None):
+        self.device, self.drop_page_cache = device, drop_page_cache
+        self.experts_implementation = experts_implementation
+        self.rows = device.type in ROW_DEVICES  # experts placed by id, in rows
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+
+    def open(self, path: Path) -> Opened:
+        device = self.device
+        # before the dense weights load: `auto` counts them
+        memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
+            available_memory_bytes()
+        lm, store, experts, plan = _build(path, self.drop_page_cache,
+                                          self.experts_implementation, self.rows)
+        try:  # before any expert is read
+            self.tokenizer = _tokenizer(path)
+        except ModelError:
+            store.close()
+            raise
+        # generate()'s defaults (eos ids, sampling) from generation_config.json, as from_pretrained
+        lm.adjust_generation_fn(None, True, False, str(path), cache_dir=None,
+                                force_download=False, proxies=None, local_files_only=True,
+                                token=None, revision=None, subfolder="",
+                                trust_remote_code=False)
+        self.model, self.experts = lm, experts
+        self.modules = dict(lm.named_modules())
+        layers = [(self.modules[e.module], e, _targets(self.modules[e.module], e, layer.specs))
+                  for e, layer in zip(experts, plan.layers)]
+        self.placed = ExpertRows(layers, store) if self.rows else DeviceSlots(layers, device)
+        return Opened(plan, store, self.placed, memory, whole_calls=True)
+
+    def attach(self, runtime: Runtime, prefetch: bool, progress: Callable | None) -> None:
+        lm, experts, modules = self.model, self.experts, self.modules
+        if not self.rows:
+            self.placed.attach(runtime)
+            lm.to(self.device)  # the dense weights; the experts are in the slot pools already
+        for i, e in enumerate(experts):
+            nxt = experts[i + 1] if prefetch and i + 1 < len(experts) else None
+            router = nxt and _router(modules[nxt.module.rsplit(".", 1)[0]],
+                                     runtime.plan.num_experts)
+            _stream(modules[e.module], i, runtime, router, None if self.rows else self.placed)
+        lm.moestream = runtime
+        lm.save_pretrained = _refuse_saving
+        streamed = [modules[e.module] for e in experts]
+        _refuse_converting(lm, streamed)
+        _compile_every_layer(len(experts))
+        # with every expert in its row for good, none is read again: a load into them lasts
+        if not (runtime.holds_all and self.rows):
+            _refuse_loading_experts(lm, streamed)
+        if runtime.holds_all:
+            runtime.read_all(progress)
 
 
 def _tokenizer(path: Path):
