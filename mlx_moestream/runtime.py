@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from .backend import Backend, StreamedLayer
-from .budget import format_bytes
-from .cache import ExpertCache, check_shares, make_held, split_slots
-from .errors import BudgetError, ClosedError, NotCopyableError, StoreError
+from .cache import check_shares, make_held
+from .errors import ClosedError, NotCopyableError, StoreError
 from .interrupts import CRITICAL, install_handler
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
+from .pools import by_layer, check_budget, make_pools
 from .prefetch import Prefetch
 from .profiles import Profile
 from .reads import Group, Reads
@@ -72,14 +72,7 @@ class Runtime:
                 layer must fit.
             host: (this host, hosts) under expert parallelism.
         """
-        need = plan.budget_holding(None if whole_calls else plan.top_k, per_layer)
-        if budget_bytes < need:
-            what = ("every expert of one layer must fit: the backend computes a call at once"
-                    if whole_calls else f"one token's top-{plan.top_k} experts must fit")
-            if per_layer:
-                what += " in each layer's share of a per-layer split"
-            raise BudgetError(f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is "
-                              f"below the minimum {format_bytes(need)} ({need} bytes): {what}")
+        check_budget(plan, budget_bytes, whole_calls, per_layer)
         self.plan = plan
         self.store = store
         self.backend = backend
@@ -105,21 +98,9 @@ class Runtime:
         ]
         store.open()  # before any reader thread
         install_handler()  # Ctrl-C waits for a step in progress (see interrupts)
-        self.pools: list[SlotPool] = []
-        self.caches: list[ExpertCache] = []
-        self.layer_pool: list[SlotPool] = [None] * plan.num_layers
-        self.layer_cache: list[ExpertCache] = [None] * plan.num_layers
-        for group, slots in zip(plan.layer_groups(), plan.pool_slots(budget_bytes)):
-            layer_slots = None
-            if per_layer:
-                weights = np.ones(len(group)) if layer_weights is None else layer_weights[group]
-                layer_slots = split_slots(slots, weights, self.call_experts, plan.num_experts)
-            pool = backend.new_pool(plan.layers[group[0]], slots)
-            cache = ExpertCache(slots, group, plan.num_experts, plan.num_layers, policy, layer_slots)
-            self.pools.append(pool)
-            self.caches.append(cache)
-            for i in group:
-                self.layer_pool[i], self.layer_cache[i] = pool, cache
+        self.pools, self.caches = make_pools(plan, budget_bytes, backend, policy,
+                                             self.call_experts, per_layer, layer_weights)
+        self.layer_pool, self.layer_cache = by_layer(plan, self.pools), by_layer(plan, self.caches)
         # every expert can have a slot of its own: none is ever reused, so the backend may
         # read all of them at load (`read_all`) and compute without waiting on the host
         self.holds_all = all(cache.holds_all for cache in self.caches)
