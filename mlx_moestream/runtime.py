@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from . import preload
 from .backend import Backend, StreamedLayer
 from .cache import check_shares, make_held
 from .errors import ClosedError, NotCopyableError, StoreError
@@ -30,7 +31,7 @@ from .prefetch import Prefetch
 from .profiles import Profile
 from .reads import Group, Reads
 from .stats import Stats, ratio
-from .store import ExpertStore, Run
+from .store import ExpertStore
 from .trace import TraceRecorder
 
 
@@ -368,53 +369,10 @@ class Runtime:
             nbytes = self.store.read_expert(self.store_layer[layer], expert, destination)
         return nbytes, time.perf_counter() - start
 
-    def read_all(self, progress=None) -> None:
-        """When every expert has a slot (`holds_all`), read them all now, as stock mlx-lm reads
-        its weights at load: in a few large reads in file order (`ExpertStore.plan_reads`)
-        where a layer's slots are one block in expert order, else (a repacked copy, a pool
-        placing experts otherwise) expert by expert; the reads concurrently.
-        `progress(items, label)` may wrap the reads."""
-        reads, in_runs = [], {}  # store layer -> (layer, destination) of those read in runs
-        for layer in range(self.plan.num_layers):
-            slots = self.layer_cache[layer].admit_layer(layer)
-            dest = self.layer_pool[layer].layer_destination(layer, slots)
-            if dest is not None and not self.store.expert_major(self.store_layer[layer]):
-                in_runs[self.store_layer[layer]] = (layer, dest)
-            else:
-                reads.append(self.reads.pool.submit(self._read_experts, layer, slots))
-        runs = self.store.plan_reads({i: dest for i, (_, dest) in in_runs.items()})
-        layer_of = {i: layer for i, (layer, _) in in_runs.items()}
-        reads += [self.reads.pool.submit(self._read_run, run, layer_of) for run in runs]
-        context = progress(reads, "read experts") if progress else nullcontext(reads)
-        try:
-            with context as items:
-                for read in items:  # items first: the bar ends at 100%
-                    for layer, nbytes, seconds, experts in read.result():
-                        self.stats.count_read(layer, nbytes, seconds, experts)
-        except BaseException:
-            for read in reads:
-                read.cancel()
-            raise
-        for layer, _ in in_runs.values():
-            self.stats.loads[layer] += self.plan.layers[layer].num_experts
-
-    def _read_experts(self, layer: int, slots: list[int]) -> list[tuple[int, int, float, int]]:
-        """Every expert of a layer into `slots`, one read each: (layer, bytes, seconds, 1)."""
-        return [(layer, *self.reads.read(layer, e, s), 1) for e, s in enumerate(slots)]
-
-    def _read_run(self, run: Run, layer_of: dict[int, int]) -> list[tuple[int, int, float, int]]:
-        """One read of `plan_reads` (`layer_of` maps its store layers to layers): (layer, bytes,
-        seconds, 0) for each layer it reads, the seconds shared by bytes (a layer's experts are
-        counted once all its runs are read)."""
-        start = time.perf_counter()
-        self.store.read_run(run)
-        seconds = time.perf_counter() - start
-        nbytes: dict[int, int] = {}
-        for _, store_layer, _, buf in run.pieces:
-            layer = layer_of[store_layer]
-            nbytes[layer] = nbytes.get(layer, 0) + len(buf)
-        total = sum(nbytes.values())
-        return [(layer, n, seconds * n / total, 0) for layer, n in nbytes.items()]
+    def read_all(self, progress: Callable | None = None) -> None:
+        """Read every expert now, when each has a slot of its own (see `preload`)."""
+        preload.read_all(self.plan, self.store, self.store_layer, self.layer_cache,
+                         self.layer_pool, self.reads, progress)
 
     def slot_map(self, layer: int) -> np.ndarray:
         """The slot of every expert of `layer` (-1: not resident)."""
