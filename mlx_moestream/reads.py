@@ -16,6 +16,7 @@ from functools import partial
 from typing import Callable
 
 from .errors import ClosedError, StoreError
+from .interrupts import CRITICAL
 from .stats import Stats
 
 ReadExpert = Callable[[int, int, int], tuple[int, float]]  # (layer, expert, slot) -> (bytes, s)
@@ -141,6 +142,22 @@ class Reads:
                 return
         if failed is not None:
             raise failed
+
+    def drain(self) -> None:
+        """Finish every read in flight outside a layer call, before the residency is read or
+        changed there (a prefetch's reads, those a call cut short left running).
+
+        A failed read is counted in read_errors and its expert forgotten: the next call that
+        needs it reads it again and reports the error. Callers hold the model's lock.
+        """
+        stalled = self.stats.stall_seconds.copy()  # waiting here is not the forward pass's stall
+        try:
+            with CRITICAL:  # a read's end is counted or forgotten as one step
+                self.finish(0)
+        except StoreError:
+            pass
+        finally:
+            self.stats.stall_seconds[:] = stalled
 
     def _wait(self, group: Group) -> StoreError | None:
         """Wait for (or make) each read of `group`; returns a call's first StoreError."""

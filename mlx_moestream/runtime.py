@@ -14,23 +14,23 @@ import os
 import threading
 import time
 import weakref
-from contextlib import nullcontext
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from . import preload
 from .backend import Backend, StreamedLayer
 from .cache import check_shares, make_held
-from .errors import ClosedError, NotCopyableError, StoreError
+from .errors import ClosedError, NotCopyableError
 from .interrupts import CRITICAL, install_handler
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
 from .pools import by_layer, check_budget, make_pools
 from .prefetch import Prefetch
+from .prewarming import Prewarmer
 from .profiles import Profile
 from .reads import Group, Reads
-from .stats import Stats, ratio
+from .stats import Stats
 from .store import ExpertStore
 from .trace import TraceRecorder
 
@@ -88,9 +88,7 @@ class Runtime:
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
         self.closed = False  # see `close`
         self.held: list[tuple] = []  # the statistics of calls routed since the latest `tally`
-        self.prewarm_info: dict | None = None
         self.host = host
-        self.warm = np.zeros(plan.num_layers, np.int64)  # experts pre-warmed per layer
         self.store_layer = [
             store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
                             l.total_experts or l.num_experts,
@@ -105,6 +103,8 @@ class Runtime:
         # every expert can have a slot of its own: none is ever reused, so the backend may
         # read all of them at load (`read_all`) and compute without waiting on the host
         self.holds_all = all(cache.holds_all for cache in self.caches)
+        self.prewarmer = Prewarmer(self.caches, self.layer_cache, self.reads, self.call_experts,
+                                   lambda: self.closed)
         _follow_forks(self)
 
     def enable_prefetch(self) -> None:
@@ -390,55 +390,16 @@ class Runtime:
         return sum(p.nbytes for p in self.pools)
 
     def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
-                progress=None) -> dict:
-        """Read a profile's hottest experts into free slots (up to `share` of each pool), in
-        file order, and seed the policies with its decayed counts: these pins are soft, the
-        seeded counts decay like live ones. The hottest `pin_share` of each pool is read too
-        and pinned for good (leaving every layer room for one call's experts: `call_experts`).
-        `progress(items, label)` is a context manager wrapping the reads."""
+                progress: Callable | None = None) -> dict:
+        """Pre-warm from `profile` (see `Prewarmer.run`) under the lock, as a layer call:
+        another thread's call is never in between."""
         profile.check_model(self.plan.identity)
         if self.closed:
             raise ClosedError()
-        with self.lock:  # as a layer call: another thread's is never in between
-            self._finish_pending_reads()  # a pin must not take an expert whose read may yet fail
+        with self.lock:
+            self.reads.drain()  # a pin must not take an expert whose read may yet fail
             self.count_all()
-            picks, pins = [], []
-            for cache in self.caches:
-                hot, pinned = cache.prewarm_plan(profile, share, pin_share, self.call_experts)
-                picks += hot
-                pins += pinned
-            picks.sort()  # layer by layer, expert by expert: the order of the stacked tensors
-            start = time.perf_counter()
-            context = progress(picks, f"pre-warm {profile.workload}") if progress else nullcontext(picks)
-            with context as items:
-                loaded, nbytes = self._prewarm_reads(items)
-            pins = [(l, e) for l, e in pins if self.layer_cache[l].slot_of[l, e] >= 0]
-            with CRITICAL:  # a pin cut short would leave its expert out of its policy, unpinned
-                for layer, expert in pins:  # those that got a slot
-                    self.layer_cache[layer].pin(layer, expert)
-            self.prewarm_info = {"profile": profile.workload, "experts": loaded,
-                                 "pinned": len(pins), "bytes": nbytes,
-                                 "read_ms": (time.perf_counter() - start) * 1e3,
-                                 "at_token": self.stats.tokens,
-                                 "hits_before": int(self.stats.hits.sum()),
-                                 "misses_before": int(self.stats.misses.sum())}
-            return self.prewarm_info
-
-    def _prewarm_reads(self, picks: Iterable[tuple[int, int]]) -> tuple[int, int]:
-        """Read each (layer, expert) that still gets a free slot; returns (experts, bytes)."""
-        loaded = nbytes = 0
-        for layer, expert in picks:
-            if self.closed:  # by another thread, meanwhile: the store must stay closed
-                raise ClosedError()
-            cache = self.layer_cache[layer]
-            with CRITICAL:  # a read counted as a load is counted as warm in the same step
-                slot = cache.admit(layer, expert)
-                if slot is None:
-                    continue
-                nbytes += self.reads.read_now(layer, expert, slot)
-                self.warm[layer] += 1
-                loaded += 1
-        return loaded, nbytes
+            return self.prewarmer.run(profile, share, pin_share, progress)
 
     def profile(self, workload: str) -> Profile:
         """This session's routing so far, to pre-warm later sessions of the same workload:
@@ -447,30 +408,9 @@ class Runtime:
             self.count_all()
             return Profile.of(self.stats, workload, self.plan.identity)
 
-    def _prewarm_effect(self, hits: int, misses: int) -> dict:
-        """The pre-warm's record with the hit rate of the accesses before it and since."""
-        info = self.prewarm_info
-        h0, m0 = info["hits_before"], info["misses_before"]
-        return {**info, "hit_rate_before": ratio(h0, h0 + m0),
-                "hit_rate_after": ratio(hits - h0, hits - h0 + misses - m0)}
-
-    def _finish_pending_reads(self) -> None:
-        """Finish the reads in flight (a prefetch's, those a call cut short left running), as
-        a layer call would, before the residency is read or changed outside a call. A failed
-        one is counted in read_errors and its expert forgotten: the next call that needs it
-        reads it again and reports the error. Callers hold the lock."""
-        stalled = self.stats.stall_seconds.copy()
-        try:
-            with CRITICAL:  # a read's end is counted or forgotten as one step
-                self.reads.finish(0)
-        except StoreError:
-            pass
-        finally:  # waiting here is not the forward pass stalling
-            self.stats.stall_seconds[:] = stalled
-
     def stats_dict(self) -> dict:
         with self.lock:
-            self._finish_pending_reads()  # so that every resident expert has its load counted
+            self.reads.drain()  # so that every resident expert has its load counted
             self.count_all()
             out = self.stats.as_dict()
         out.update(
@@ -482,10 +422,10 @@ class Runtime:
             prefetch=self.prefetch is not None,
             host=self.host[0],
             hosts=self.host[1],
-            prewarm=self.prewarm_info and self._prewarm_effect(out["hits"], out["misses"]),
+            prewarm=self.prewarmer.effect(out["hits"], out["misses"]),
         )
         for i, layer in enumerate(out["layers"]):
-            layer["warm"] = int(self.warm[i])
+            layer["warm"] = int(self.prewarmer.warm[i])
             layer["pinned"] = self.layer_cache[i].pinned_in(i)
         return out
 
