@@ -30,6 +30,7 @@ from .prefetch import Prefetch
 from .prewarming import Prewarmer
 from .profiles import Profile
 from .reads import Group, Reads
+from .report import stats_report
 from .stats import Stats
 from .store import ExpertStore
 from .trace import TraceRecorder
@@ -378,17 +379,6 @@ class Runtime:
         """The slot of every expert of `layer` (-1: not resident)."""
         return self.layer_cache[layer].slots(layer, np.arange(self.plan.layers[layer].num_experts))
 
-    @property
-    def resident_bytes(self) -> int:
-        """The memory the resident experts may hold, as the budget counts it: a slot's bytes
-        (with torch's rows, the pages an expert's rows touch, not only its weights' bytes)."""
-        return sum(self.plan.pool_bytes(group, cache.resident)
-                   for cache, group in zip(self.caches, self.plan.layer_groups()))
-
-    @property
-    def slot_bytes(self) -> int:
-        return sum(p.nbytes for p in self.pools)
-
     def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
                 progress: Callable | None = None) -> dict:
         """Pre-warm from `profile` (see `Prewarmer.run`) under the lock, as a layer call:
@@ -409,25 +399,13 @@ class Runtime:
             return Profile.of(self.stats, workload, self.plan.identity)
 
     def stats_dict(self) -> dict:
+        """What `stats(model)` reports (see `report`)."""
         with self.lock:
             self.reads.drain()  # so that every resident expert has its load counted
             self.count_all()
-            out = self.stats.as_dict()
-        out.update(
-            budget_bytes=self.budget_bytes,
-            resident_bytes=self.resident_bytes,
-            slot_bytes=self.slot_bytes,
-            slots=sum(p.num_slots for p in self.pools),
-            policy=self.policy,
-            prefetch=self.prefetch is not None,
-            host=self.host[0],
-            hosts=self.host[1],
-            prewarm=self.prewarmer.effect(out["hits"], out["misses"]),
-        )
-        for i, layer in enumerate(out["layers"]):
-            layer["warm"] = int(self.prewarmer.warm[i])
-            layer["pinned"] = self.layer_cache[i].pinned_in(i)
-        return out
+            counted = self.stats.as_dict()
+        return stats_report(counted, self.plan, self.pools, self.caches, self.prewarmer,
+                            self.budget_bytes, self.policy, self.prefetch is not None, self.host)
 
     def forked(self) -> None:
         """In a child forked while the model was loaded (see `_follow_forks`): the I/O threads
