@@ -10,10 +10,8 @@ before a later call may reuse its slots (`holds_all` says when no slot is ever r
 from __future__ import annotations
 
 import numbers
-import os
 import threading
 import time
-import weakref
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -22,6 +20,7 @@ from . import preload
 from .backend import Backend, StreamedLayer
 from .cache import check_shares, make_held
 from .errors import ClosedError, NotCopyableError
+from .forks import follow_forks
 from .interrupts import CRITICAL, install_handler
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
@@ -106,7 +105,7 @@ class Runtime:
         self.holds_all = all(cache.holds_all for cache in self.caches)
         self.prewarmer = Prewarmer(self.caches, self.layer_cache, self.reads, self.call_experts,
                                    lambda: self.closed)
-        _follow_forks(self)
+        follow_forks(self)
 
     def enable_prefetch(self) -> None:
         """Read each next layer's predicted experts ahead (see `prefetch`). Not when every
@@ -408,9 +407,9 @@ class Runtime:
                             self.budget_bytes, self.policy, self.prefetch is not None, self.host)
 
     def forked(self) -> None:
-        """In a child forked while the model was loaded (see `_follow_forks`): the I/O threads
-        did not come along, so it starts its own (a read queued for them would wait for ever),
-        and the reads in flight at the fork, which never land here, leave their slots."""
+        """In a child forked while the model was loaded (see `forks`): the I/O threads did not
+        come along, so it starts its own (a read queued for them would wait for ever), and the
+        reads in flight at the fork, which never land here, leave their slots."""
         self.store.forked()
         self.reads.forked()
         if self.prefetch:
@@ -430,27 +429,3 @@ class Runtime:
             self.reads.close()
             self.store.close()
 
-
-def _follow_forks(runtime: Runtime) -> None:
-    """Make a child forked while `runtime` lives (a server's preloaded workers, multiprocessing)
-    able to stream: the fork waits for a layer call in progress, so no decision is half made in
-    the child, which then gets its own I/O threads (`Runtime.forked`). Held weakly: the hooks
-    of a model dropped do nothing."""
-    ref = weakref.ref(runtime)
-
-    def hook(action: Callable[[Runtime], object]) -> Callable[[], None]:
-        def call() -> None:
-            live = ref()
-            if live is not None:
-                action(live)
-        return call
-
-    def in_child(live: Runtime) -> None:
-        try:
-            live.forked()
-        finally:
-            live.lock.release()
-
-    os.register_at_fork(before=hook(lambda r: r.lock.acquire()),
-                        after_in_parent=hook(lambda r: r.lock.release()),
-                        after_in_child=hook(in_child))
