@@ -314,14 +314,6 @@ class Runtime:
                 cache.catch_up()
             make_held(self.held)
 
-    def start_trace(self) -> None:
-        """Record the routing of every following forward call: not of those made before and
-        counted late (another thread's latest, with every expert resident)."""
-        with self.lock:
-            self.count_all()
-            self.backend.begin_trace()
-            self.recorder = TraceRecorder(self.plan.num_layers, self.plan.num_experts)
-
     def count_all(self) -> None:
         """Count everything routed so far (before statistics or a profile are read)."""
         with self.lock:
@@ -389,13 +381,6 @@ class Runtime:
             self.reads.drain()  # a pin must not take an expert whose read may yet fail
             self.count_all()
             return self.prewarmer.run(profile, share, pin_share, progress)
-
-    def profile(self, workload: str) -> Profile:
-        """This session's routing so far, to pre-warm later sessions of the same workload:
-        copied before another thread's layer call may count more."""
-        with self.lock:
-            self.count_all()
-            return Profile.of(self.stats, workload, self.plan.identity)
 
     def stats_dict(self) -> dict:
         """What `stats(model)` reports (see `report`)."""

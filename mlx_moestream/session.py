@@ -9,7 +9,7 @@ from .profiles import Profile
 from .profiles import find as find_profile
 from .profiles import save_target as profile_target
 from .runtime import Runtime
-from .trace import Trace
+from .trace import Trace, TraceRecorder
 
 
 def as_profile(profile: str | Path | Profile) -> Profile:
@@ -33,7 +33,10 @@ def prewarm(model: Any, profile: str | Path | Profile, share: float = 1.0,
 
 def profile(model: Any, workload: str) -> Profile:
     """This session's activation profile so far (what `save_profile` writes)."""
-    return _single_host(model, "record a profile").profile(workload)
+    runtime = _single_host(model, "record a profile")
+    with runtime.lock:  # copied before another thread's layer call may count more
+        runtime.count_all()
+        return Profile.of(runtime.stats, workload, runtime.plan.identity)
 
 
 def save_profile(model: Any, name: str | Path, workload: str | None = None) -> Path:
@@ -48,7 +51,11 @@ def save_profile(model: Any, name: str | Path, workload: str | None = None) -> P
 
 def start_trace(model: Any) -> None:
     """Record the routing of every following forward call (see `save_trace`)."""
-    _single_host(model, "record a trace").start_trace()
+    runtime = _single_host(model, "record a trace")
+    with runtime.lock:  # calls counted late (another thread's latest, all resident) stay out
+        runtime.count_all()
+        runtime.backend.begin_trace()
+        runtime.recorder = TraceRecorder(runtime.plan.num_layers, runtime.plan.num_experts)
 
 
 def save_trace(model: Any, path: str | Path) -> Trace:
