@@ -1,10 +1,12 @@
-"""The streaming runtime, backend neutral: route -> ensure resident -> compute; pre-warm; statistics.
+"""The streaming runtime, backend neutral: route -> ensure resident -> compute.
 
 A backend (`mlx_backend`, `torch`) builds the `ModelPlan`, hands the runtime a `Backend` whose
 pools hold the experts of each group of layers with one expert shape, and calls `call` from
 each expert layer with a `StreamedLayer`; everything else happens here, the same for every
 backend. Slots are filled in place, so a backend's `settle` must wait for a call's compute
 before a later call may reuse its slots (`holds_all` says when no slot is ever reused).
+What a model does outside its calls lives apart: `preload` reads every expert at load,
+`prewarming` pre-warms from a profile, `report` assembles the statistics, `forks` follows forks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import preload
-from .backend import Backend, StreamedLayer
+from .backend import Backend, Parts, StreamedLayer
 from .cache import check_shares, make_held
 from .errors import ClosedError, NotCopyableError
 from .forks import follow_forks
@@ -34,12 +36,9 @@ from .stats import Stats
 from .store import ExpertStore
 from .trace import TraceRecorder
 
-
 # A call of many tokens reads its misses in at most this many groups (of at least top-k
 # experts), computing each group once read while the next ones are read (`route_chunks`).
 PIPELINE_CHUNKS = 16
-
-
 
 
 def check_options(policy: str, prewarm_share: float, pin_share: float, window_tokens: int
@@ -149,14 +148,10 @@ class Runtime:
 
     def route(self, layer: int, ids: np.ndarray, compute: bool = True, record: bool = True
               ) -> np.ndarray | None:
-        """The slots of a call's routed `ids` [..., k], after loading its misses; None when the
-        call routes to more experts than the layer may hold at once: compute it by `rounds`.
-        Ids outside [0, experts) are masked: they load nothing, count nothing, and get the
-        slot of a routed expert (their outputs are discarded by the model); a call whose every
-        id is masked gets expert 0's, read if need be, unless the caller computes nothing from
-        the slots (`compute=False`: it counts a call made without them), which then counts
-        its tokens alone. `record`: a trace in progress records the call.
-        """
+        """The slots of a call's routed `ids` [..., k], once its misses are read; None when
+        the call routes to more experts than the layer may hold at once: compute it by
+        `rounds`. `compute=False`: the caller computes nothing from the slots (it counts a
+        call made without them); `record`: a trace in progress records the call."""
         with CRITICAL:
             admitted = self._admit(layer, ids, compute, record)
             if admitted is None:
@@ -166,48 +161,14 @@ class Runtime:
             self._reading(layer, experts)
             return slots
 
-    def route_chunks(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray | None,
-                                                                          np.ndarray]] | None:
-        """`route` for a call of many tokens, whose misses take long to read: None when it does
-        not fit (compute it by `rounds`), else the call chunk by chunk, each as soon as its
-        experts are resident: (positions in the flat ids, their slots), positions None for the
-        whole call (slots then shaped as `ids`). The resident experts come first, then the
-        misses in file order, `PIPELINE_CHUNKS` groups at most, all read at once: the caller
-        computes a chunk (without waiting for it) while the next ones are read."""
-        with CRITICAL:
-            admitted = self._admit(layer, ids, True, True)
-            if admitted is None:
-                return None
-            experts, ids = admitted
-            loads = self._decide(layer, experts)
-            self._reading(layer, experts)
-            size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
-            groups = self.reads.start(layer, loads, size)
-            slots = self.layer_cache[layer].slots(layer, ids)
-        return self._chunks(layer, ids, slots, groups)
-
-    def _chunks(self, layer: int, ids: np.ndarray, slots: np.ndarray, groups: list[Group]
-                ) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
-        """`route_chunks`' chunks: the resident experts', then each group's once read."""
-        if not groups:
-            yield None, slots
-            return
-        flat, flat_slots = ids.reshape(-1), slots.reshape(-1)
-        read = np.isin(flat, [e for group in groups for e, _ in group.reads])
-        if not read.all():
-            positions = np.flatnonzero(~read)
-            yield positions, flat_slots[positions]
-        for group in groups:
-            experts = [e for e, _ in group.reads]  # before finishing, which empties the group
-            self.reads.finish(layer, until=group)
-            positions = np.flatnonzero(np.isin(flat, experts))
-            yield positions, flat_slots[positions]
-
     def _admit(self, layer: int, ids: np.ndarray, compute: bool, record: bool
                ) -> tuple[list[int], np.ndarray] | None:
-        """What every call does before its experts are made resident (see `route`): finish
-        reads in flight, count, record, mask. Returns (distinct experts in order, ids), or None
-        when the call must be computed by `rounds` or computes nothing."""
+        """What every call does before its experts are made resident: finish reads in flight,
+        count, record, mask. Ids outside [0, experts) load nothing, count nothing and get a
+        routed expert's slot (the model discards their outputs); a call whose every id is
+        masked gets expert 0's, read if need be, or counts its tokens alone if it computes
+        nothing. Returns (distinct experts in order, ids), or None when the call must be
+        computed by `rounds` or computes nothing."""
         if self.closed and compute:
             raise ClosedError()
         if self.held:  # the backend did not tally the previous call
@@ -219,10 +180,10 @@ class Runtime:
             self.held.append((self.stats.tick, (tokens,)))
             for cache in self.caches:
                 cache.tick(tokens)
+        num = self.plan.layers[layer].num_experts
         if self.recorder is not None and record:
-            num = self.plan.layers[layer].num_experts
             self.recorder.record(layer, np.where((ids >= 0) & (ids < num), ids, -1))
-        routed, ids = self._unmasked(layer, ids)
+        routed, ids = unmasked(ids, num)
         if not routed and not compute:
             return None
         experts = sorted(set(routed)) if routed else [0]  # expert 0 where every id is masked
@@ -232,61 +193,6 @@ class Runtime:
         if fits or not compute:  # else `rounds` counts each round's routing with its accesses
             self.held.append((self.stats.route, (layer, routed)))
         return (experts, ids) if fits else None
-
-
-    def _reading(self, layer: int, experts: list[int]) -> None:
-        """A prefetch must not evict the experts of the call about to compute."""
-        if self.prefetch:
-            base = layer * self.plan.num_experts
-            self.prefetch.reading = {base + e for e in experts}
-
-    def read_ahead(self, layer: int, predicted: np.ndarray) -> None:
-        """Start reading the next layer's `predicted` experts (distinct ids) that are not
-        resident, while this call computes; its own experts stay (see `prefetch`)."""
-        nxt = layer + 1
-        if not self.prefetch.worth_reading(layer, predicted):
-            return
-        with CRITICAL:
-            cache = self.layer_cache[nxt]
-            loads, evicted = cache.prefetch(nxt, predicted, self.prefetch.reading)
-            self.evicted(evicted, nxt, loads)
-            self.prefetch.ahead[nxt] = landed = set()
-            self.reads.start(nxt, loads, landed=landed)
-
-    def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
-        ids, their slots); the caller computes each round before asking for the next, which
-        may reuse its slots."""
-        given = ids.reshape(-1)
-        routed, flat = self._unmasked(layer, given)
-        order = np.argsort(flat, kind="stable")
-        valid = None  # masked ids (pointing at a routed expert) count nothing
-        if len(routed) < len(flat):
-            valid = (given >= 0) & (given < self.plan.layers[layer].num_experts)
-        sorted_ids = flat[order]
-        experts = np.unique(sorted_ids)
-        capacity, done = self.capacity(layer), 0
-        for start in range(0, len(experts), capacity):
-            chunk = experts[start : start + capacity]
-            end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
-            positions = order[done:end]
-            counted = positions if valid is None else positions[valid[positions]]
-            with CRITICAL:  # a read error ends the call: its later rounds count nothing
-                self.held.append((self.stats.route, (layer, flat[counted].tolist())))
-                slots = self._request(layer, chunk.tolist(), flat[positions])
-            yield positions, slots
-            done = end
-
-    def _unmasked(self, layer: int, ids: np.ndarray) -> tuple[list[int], np.ndarray]:
-        """(the routed ids alone, a flat list, `ids` with masked ones (-1, or past the layer's
-        experts) pointing at a routed expert). A list: a decode call names a handful of ids,
-        and Python's min and max cost less than numpy's there."""
-        num = self.plan.layers[layer].num_experts
-        flat = ids.reshape(-1).tolist()
-        if min(flat) >= 0 and max(flat) < num:
-            return flat, ids
-        routed = [i for i in flat if 0 <= i < num]
-        return routed, np.where((ids >= 0) & (ids < num), ids, routed[0] if routed else 0)
 
     def _request(self, layer: int, experts: list[int], ids: np.ndarray) -> np.ndarray:
         """Make distinct `experts` resident; returns the slots of `ids` (each one of `experts`).
@@ -305,20 +211,11 @@ class Runtime:
             self.evicted(evicted, layer, loads)
         return loads
 
-    def tally(self) -> None:
-        """Count the calls routed since the latest tally and make the policy updates they
-        held back. Nothing the calls compute depends on these, so a backend tallies once a
-        call's compute is issued, while the device works; the next call tallies otherwise."""
-        with CRITICAL:  # a policy must learn of every key that became resident
-            for cache in self.caches:
-                cache.catch_up()
-            make_held(self.held)
-
-    def count_all(self) -> None:
-        """Count everything routed so far (before statistics or a profile are read)."""
-        with self.lock:
-            self.backend.count_deferred()
-            self.tally()
+    def _reading(self, layer: int, experts: list[int]) -> None:
+        """A prefetch must not evict the experts of the call about to compute."""
+        if self.prefetch:
+            base = layer * self.plan.num_experts
+            self.prefetch.reading = {base + e for e in experts}
 
     def evicted(self, keys: list[int], layer: int, loads: list[tuple[int, int]]) -> None:
         """Release the cache's victims (`layer * num_experts + expert`), whose slots `loads`
@@ -361,14 +258,85 @@ class Runtime:
             nbytes = self.store.read_expert(self.store_layer[layer], expert, destination)
         return nbytes, time.perf_counter() - start
 
-    def read_all(self, progress: Callable | None = None) -> None:
-        """Read every expert now, when each has a slot of its own (see `preload`)."""
-        preload.read_all(self.plan, self.store, self.store_layer, self.layer_cache,
-                         self.layer_pool, self.reads, progress)
+    def route_chunks(self, layer: int, ids: np.ndarray) -> Parts | None:
+        """`route` for a call of many tokens, whose misses take long to read: None when it does
+        not fit (compute it by `rounds`), else the call chunk by chunk, each as soon as its
+        experts are resident: (positions in the flat ids, their slots), positions None for the
+        whole call (slots then shaped as `ids`). The resident experts come first, then the
+        misses in file order, `PIPELINE_CHUNKS` groups at most, all read at once: the caller
+        computes a chunk (without waiting for it) while the next ones are read."""
+        with CRITICAL:
+            admitted = self._admit(layer, ids, True, True)
+            if admitted is None:
+                return None
+            experts, ids = admitted
+            loads = self._decide(layer, experts)
+            self._reading(layer, experts)
+            size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
+            groups = self.reads.start(layer, loads, size)
+            slots = self.layer_cache[layer].slots(layer, ids)
+        return chunks(self.reads, layer, ids, slots, groups)
+
+    def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
+        ids, their slots); the caller computes each round before asking for the next, which
+        may reuse its slots."""
+        given, num = ids.reshape(-1), self.plan.layers[layer].num_experts
+        routed, flat = unmasked(given, num)
+        order = np.argsort(flat, kind="stable")
+        valid = None  # masked ids (pointing at a routed expert) count nothing
+        if len(routed) < len(flat):
+            valid = (given >= 0) & (given < num)
+        sorted_ids = flat[order]
+        experts = np.unique(sorted_ids)
+        capacity, done = self.capacity(layer), 0
+        for start in range(0, len(experts), capacity):
+            chunk = experts[start : start + capacity]
+            end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
+            positions = order[done:end]
+            counted = positions if valid is None else positions[valid[positions]]
+            with CRITICAL:  # a read error ends the call: its later rounds count nothing
+                self.held.append((self.stats.route, (layer, flat[counted].tolist())))
+                slots = self._request(layer, chunk.tolist(), flat[positions])
+            yield positions, slots
+            done = end
+
+    def read_ahead(self, layer: int, predicted: np.ndarray) -> None:
+        """Start reading the next layer's `predicted` experts (distinct ids) that are not
+        resident, while this call computes; its own experts stay (see `prefetch`)."""
+        nxt = layer + 1
+        if not self.prefetch.worth_reading(layer, predicted):
+            return
+        with CRITICAL:
+            cache = self.layer_cache[nxt]
+            loads, evicted = cache.prefetch(nxt, predicted, self.prefetch.reading)
+            self.evicted(evicted, nxt, loads)
+            self.prefetch.ahead[nxt] = landed = set()
+            self.reads.start(nxt, loads, landed=landed)
+
+    def tally(self) -> None:
+        """Count the calls routed since the latest tally and make the policy updates they
+        held back. Nothing the calls compute depends on these, so a backend tallies once a
+        call's compute is issued, while the device works; the next call tallies otherwise."""
+        with CRITICAL:  # a policy must learn of every key that became resident
+            for cache in self.caches:
+                cache.catch_up()
+            make_held(self.held)
+
+    def count_all(self) -> None:
+        """Count everything routed so far (before statistics or a profile are read)."""
+        with self.lock:
+            self.backend.count_deferred()
+            self.tally()
 
     def slot_map(self, layer: int) -> np.ndarray:
         """The slot of every expert of `layer` (-1: not resident)."""
         return self.layer_cache[layer].slots(layer, np.arange(self.plan.layers[layer].num_experts))
+
+    def read_all(self, progress: Callable | None = None) -> None:
+        """Read every expert now, when each has a slot of its own (see `preload`)."""
+        preload.read_all(self.plan, self.store, self.store_layer, self.layer_cache,
+                         self.layer_pool, self.reads, progress)
 
     def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
                 progress: Callable | None = None) -> dict:
@@ -414,3 +382,31 @@ class Runtime:
             self.reads.close()
             self.store.close()
 
+
+def unmasked(ids: np.ndarray, num: int) -> tuple[list[int], np.ndarray]:
+    """(the routed ids alone, a flat list, `ids` with masked ones (-1, or `num` and past)
+    pointing at a routed expert). A list: a decode call names a handful of ids, and Python's
+    min and max cost less than numpy's there."""
+    flat = ids.reshape(-1).tolist()
+    if min(flat) >= 0 and max(flat) < num:
+        return flat, ids
+    routed = [i for i in flat if 0 <= i < num]
+    return routed, np.where((ids >= 0) & (ids < num), ids, routed[0] if routed else 0)
+
+
+def chunks(reads: Reads, layer: int, ids: np.ndarray, slots: np.ndarray, groups: list[Group]
+           ) -> Parts:
+    """`Runtime.route_chunks`' chunks: the resident experts', then each group's once read."""
+    if not groups:
+        yield None, slots
+        return
+    flat, flat_slots = ids.reshape(-1), slots.reshape(-1)
+    read = np.isin(flat, [e for group in groups for e, _ in group.reads])
+    if not read.all():
+        positions = np.flatnonzero(~read)
+        yield positions, flat_slots[positions]
+    for group in groups:
+        experts = [e for e, _ in group.reads]  # before finishing, which empties the group
+        reads.finish(layer, until=group)
+        positions = np.flatnonzero(np.isin(flat, experts))
+        yield positions, flat_slots[positions]
