@@ -42,6 +42,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_moestream.torch as moestream_torch  # noqa: E402
+from mlx_moestream.torch import forward as torch_forward  # noqa: E402
 from mlx_moestream.files import atomic_write_text  # noqa: E402
 from mlx_moestream.testing_tokenizer import make_tokenizer  # noqa: E402
 from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, WIDER, make_tiny_hf_moe  # noqa: E402
@@ -138,14 +139,14 @@ def summary(rows: list[dict], control: list[dict]) -> dict:
 def plain_remap(path, budget, prompt, expected, decode_tokens) -> dict:
     """Eager computed with ids remapped to slots as grouped_mm's are: the order in which a
     token's expert outputs are added follows the slots, not the experts."""
-    row_wise = moestream_torch.ROW_WISE
-    moestream_torch.ROW_WISE = row_wise + ("eager",)
+    row_wise = torch_forward.ROW_WISE
+    torch_forward.ROW_WISE = row_wise + ("eager",)
     try:
         model, _ = moestream_torch.load(path, budget, device=DEVICE, experts_implementation="eager")
         got = same(decode(model, prompt, decode_tokens), expected)
         model.moestream.close()
     finally:
-        moestream_torch.ROW_WISE = row_wise
+        torch_forward.ROW_WISE = row_wise
     return got
 
 

@@ -20,6 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 import mlx_moestream  # noqa: E402
 import mlx_moestream.torch as moestream_torch  # noqa: E402
+from mlx_moestream.torch import build as torch_build  # noqa: E402
+from mlx_moestream.torch import forward as torch_forward  # noqa: E402
+from mlx_moestream.torch import loader as torch_loader  # noqa: E402
+from mlx_moestream.torch import pools as torch_pools  # noqa: E402
 from mlx_moestream.errors import BudgetError, ModelError  # noqa: E402
 from mlx_moestream.store import ExpertStore  # noqa: E402
 from mlx_moestream.testing_torch import TORCH_ARCHITECTURES, WIDER, make_tiny_hf_moe  # noqa: E402
@@ -189,7 +193,7 @@ def test_a_naive_slot_remap_is_not_exact_under_grouped_mm(hf_model, hf_reference
 def slot_pools(monkeypatch):
     """Experts in slot pools, as on a GPU (`DeviceSlots`), here on the CPU: the remap, the
     staging buffers and the copies to the slots run as on CUDA, streams aside."""
-    monkeypatch.setattr(moestream_torch, "ROW_DEVICES", ())
+    monkeypatch.setattr(torch_loader, "ROW_DEVICES", ())
 
 
 @pytest.mark.parametrize("budget", ["min", "25%", "100%"])
@@ -233,7 +237,7 @@ def test_two_threads_generating_on_one_model_both_match_the_loaded_model(
     import threading
 
     if placement == "slots":
-        monkeypatch.setattr(moestream_torch, "ROW_DEVICES", ())
+        monkeypatch.setattr(torch_loader, "ROW_DEVICES", ())
     path = hf_model("qwen3_moe", wide=True)
     expected = run(transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, experts_implementation=implementation))
@@ -288,7 +292,7 @@ def test_a_failed_read_into_a_slot_pool_leaves_no_stale_expert(hf_model, slot_po
 
 def test_a_plain_slot_remap_is_not_exact_under_eager(hf_model, slot_pools, monkeypatch):
     """Negative control: remapped as batched_mm's, eager's sums follow the slots' order."""
-    monkeypatch.setattr(moestream_torch, "ROW_WISE", (*moestream_torch.ROW_WISE, "eager"))
+    monkeypatch.setattr(torch_forward, "ROW_WISE", (*torch_forward.ROW_WISE, "eager"))
     path = hf_model("qwen3_moe", wide=True)
     expected = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, experts_implementation="eager")
@@ -721,7 +725,7 @@ def test_a_stacked_tensor_transformers_renames_to_a_name_the_store_lacks_is_refu
     weights = {k.replace("experts.down_proj", "experts.w2_weight"): v
                for k, v in load_file(path / "model.safetensors").items()}
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.setattr(moestream_torch, "_renamings",
+    monkeypatch.setattr(torch_build, "_renamings",
                         lambda config: [(r"experts\.w2_weight", "experts.down_proj")])
     with pytest.raises(ModelError, match=re.escape(
             "transformers renames 'model.layers.0.mlp.experts.w2_weight' to "
@@ -895,7 +899,7 @@ def test_an_eviction_whose_release_fails_leaves_no_expert_claiming_bytes_never_r
     from those."""
     path = hf_model("qwen3_moe")
     model, _ = moestream_torch.load(path, budget="25%")
-    release, failed = moestream_torch._RowPool.release, []
+    release, failed = torch_pools._RowPool.release, []
 
     def failing_once(pool, *args):
         if not failed:
@@ -903,7 +907,7 @@ def test_an_eviction_whose_release_fails_leaves_no_expert_claiming_bytes_never_r
             raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
         return release(pool, *args)
 
-    monkeypatch.setattr(moestream_torch._RowPool, "release", failing_once)
+    monkeypatch.setattr(torch_pools._RowPool, "release", failing_once)
     with pytest.raises(OSError, match="Resource temporarily unavailable"):
         run(model)
     assert_equal_runs(run(model), hf_reference(path, torch.float32))
@@ -1028,14 +1032,14 @@ def test_auto_takes_the_dense_weights_off_the_free_memory_once(hf_model, monkeyp
     path = hf_model("qwen3_moe")
     plan = moestream_torch.plan_of(path)
     memory = 2 * (plan.dense_bytes + plan.expert_bytes // 2)  # the reserve is half of it
-    load_dense, loaded = moestream_torch._load_dense, []
+    load_dense, loaded = torch_build._load_dense, []
 
     def counted(*args):
         loaded.append(load_dense(*args))
         return loaded[-1]
 
-    monkeypatch.setattr(moestream_torch, "_load_dense", counted)
-    monkeypatch.setattr(moestream_torch, "available_memory_bytes", lambda: memory - sum(loaded))
+    monkeypatch.setattr(torch_build, "_load_dense", counted)
+    monkeypatch.setattr(torch_loader, "available_memory_bytes", lambda: memory - sum(loaded))
     model, _ = moestream_torch.load(path, budget="auto")
     assert mlx_moestream.stats(model)["budget_bytes"] == plan.expert_bytes // 2
 
