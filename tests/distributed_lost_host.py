@@ -9,7 +9,7 @@ import sys
 import time
 
 import mlx_moestream
-from mlx_moestream import cli
+from mlx_moestream.cli import user_input
 from mlx_moestream.errors import StoreError
 from mlx_moestream.testing import greedy_logits
 
@@ -31,7 +31,7 @@ try:
     elif step == "stats":
         mlx_moestream.host_stats(model)
     else:
-        cli._read_on_host_0(model.moestream.backend.watchdog, ">>> ")
+        user_input.read_on_host_0(model.moestream.backend.watchdog, ">>> ")
 except RuntimeError as e:
     print(f"Error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)

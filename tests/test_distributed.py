@@ -221,11 +221,11 @@ def test_host_0_refuses_a_line_that_is_not_utf8_and_reads_another(monkeypatch, c
     says so and goes on."""
     from contextlib import nullcontext
 
-    from mlx_moestream import cli
+    from mlx_moestream.cli import user_input
 
     lines = iter(["caf\udce9", "Ciao"])  # a Latin-1 byte, as Python decodes stdin
     monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
-    assert cli._read_on_host_0(nullcontext(), ">>> ") == "Ciao"
+    assert user_input.read_on_host_0(nullcontext(), ">>> ") == "Ciao"
     assert "the message is not UTF-8 text" in capsys.readouterr().err
 
 

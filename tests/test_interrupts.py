@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_moestream import cli
 from mlx_moestream.cache import ExpertCache
+from mlx_moestream.cli.app import Terminated, terminate_as_interrupt
 from mlx_moestream.errors import StoreError
 from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
@@ -620,7 +620,7 @@ def test_sigterm_while_a_chat_counts_its_calls_lands_after_them(tiny_model, monk
     monkeypatch.setattr(ExpertCache, "request", requesting)
     monkeypatch.setattr(runtime.stats, "count_request", terminating)
     armed += [True] + [False] * 5  # at the sixth call counted
-    with pytest.raises(cli._Terminated), cli._terminate_as_interrupt():
+    with pytest.raises(Terminated), terminate_as_interrupt():
         greedy_logits(model, decode_tokens=4)
     monkeypatch.undo()
     counted = mlx_moestream.stats(model)

@@ -472,7 +472,7 @@ def test_chat_statistics_of_a_prefetch_that_scored_nothing_say_so(hf_model):
 def test_chat_decode_speed_leaves_out_the_prompt(hf_model, monkeypatch, capsys):
     """tok/s of the generated tokens counts from the first one, as mlx-lm does: a slow prompt
     does not make a fast decode look slow."""
-    from mlx_moestream import cli
+    from mlx_moestream.cli import replies
 
     model, tokenizer = moestream_torch.load(hf_model("mixtral"), budget="40%")
     forward = model.forward
@@ -483,7 +483,8 @@ def test_chat_decode_speed_leaves_out_the_prompt(hf_model, monkeypatch, capsys):
         return forward(input_ids=input_ids, **kwargs)
 
     monkeypatch.setattr(model, "forward", slow_prompt)
-    _, timing = cli._torch_reply(model, tokenizer, 8, 0.0, [{"role": "user", "content": "Ciao"}])
+    _, timing = replies.torch_reply(model, tokenizer, 8, 0.0,
+                                    [{"role": "user", "content": "Ciao"}])
     assert timing.generation_tokens == 8 and timing.generation_tps > 8 / 2.0
     assert timing.prompt_tps < timing.prompt_tokens / 3.0
 

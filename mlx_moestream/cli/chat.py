@@ -1,0 +1,187 @@
+"""The `chat` command: a model under a budget answers a prompt or an interactive chat.
+
+The profile and trace a chat is asked for are checked before the model loads and saved however
+the chat ends: done, interrupted, terminated, or failed mid-answer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+from functools import partial
+from typing import Callable
+
+import click
+
+from ..policies import DEFAULT_POLICY, POLICIES
+from .app import (Interrupted, Terminated, budget_option, check_torch_model, fail, model_option,
+                  progress, tell, terminate_as_interrupt, torch_backend)
+from .replies import mlx_reply, torch_reply
+from .stats_view import format_hosts, format_stats
+from .user_input import check_text, interactive, read_on_host_0
+
+LIVE_POLICIES = [name for name, cls in POLICIES.items() if not cls.offline]  # need no future
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """Refuse NaN, which FloatRange lets through (every comparison with it is false), and inf."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+@click.command()
+@model_option
+@budget_option
+@click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
+              help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}; options as "
+                   "NAME:OPTION=VALUE,... (cyclic:half_life=128).")
+@click.option("--prompt", help="Answer this one prompt and exit (non-interactive).")
+@click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
+              callback=_finite,
+              help="Sampling temperature; 0 is greedy.")
+@click.option("--profile", "profiles", type=(click.Choice(["save", "load"]), str), multiple=True,
+              metavar="save|load NAME",
+              help="load NAME: pre-warm from a saved profile; save NAME: save this session's "
+                   "profile on exit. Both may be given.")
+@click.option("--prewarm-share", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+              help="Share of the budget a loaded profile pre-warms.")
+@click.option("--pin-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of the budget a loaded profile's hottest experts hold for good.")
+@click.option("--per-layer", is_flag=True,
+              help="Split the budget per layer (by the loaded profile, else evenly).")
+@click.option("--prefetch", is_flag=True,
+              help="Predict each next layer's experts and read them during compute.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+              help="Record the routing to this .npz trace on exit.")
+@click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
+              help="mlx: an mlx-lm model; torch: a transformers model (pip install "
+                   "'mlx-moestream[torch]').")
+@click.option("--device", default="cpu", show_default=True, help="The torch backend's device.")
+@click.option("--distributed", is_flag=True,
+              help="Under mlx.launch: the hosts share the experts, each streams its own under "
+                   "its own budget; host 0 reads input and prints.")
+def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_share, pin_share,
+         per_layer, prefetch, trace_path, backend, device, distributed):
+    """Chat with a model; tokens stream as generated, cache statistics follow each answer."""
+    from .. import session
+    from ..profiles import save_target
+    from ..trace import check_save_target
+
+    to_load = [name for action, name in profiles if action == "load"]
+    to_save = [name for action, name in profiles if action == "save"]
+    if len(to_load) > 1:
+        raise click.UsageError("--profile load may be given once")
+    if not to_load and (pin_share or prewarm_share != 1.0):  # else silently without effect
+        raise click.UsageError("--prewarm-share and --pin-share need --profile load NAME")
+    check_torch_model(backend, model)
+    if backend == "torch" and distributed:
+        raise click.UsageError("--distributed needs --backend mlx")
+    if backend == "mlx" and device != "cpu":  # else silently on MLX's own device
+        raise click.UsageError("--device is the torch backend's (MLX runs on its default device)")
+    if distributed and (profiles or trace_path or per_layer or prefetch):
+        raise click.UsageError("--distributed takes no --profile, --trace, --per-layer or "
+                               "--prefetch yet")
+    try:  # every output is checked before the session, not found unwritable at its end
+        if prompt is not None:
+            check_text(prompt, "--prompt")
+        targets = [save_target(name) for name in to_save]
+        if trace_path:
+            check_save_target(trace_path)
+        written = [os.path.realpath(t) for t in [*targets, *([trace_path] if trace_path else [])]]
+        if len(set(written)) < len(written):  # the second write would refuse, or replace, the first
+            raise click.UsageError("--trace and each --profile save need a file of their own")
+        profile = to_load[0] if to_load else None
+        if backend == "torch":
+            lm, tokenizer = torch_backend().load(model, budget, device=device, policy=policy,
+                                                 profile=profile, prewarm_share=prewarm_share,
+                                                 pin_share=pin_share, per_layer=per_layer,
+                                                 prefetch=prefetch, progress=progress)
+            reply = partial(torch_reply, lm, tokenizer, max_tokens, temp)
+        else:
+            from .. import loader
+
+            lm, tokenizer = loader.load(model, budget, policy, profile,
+                                        prewarm_share=prewarm_share, pin_share=pin_share,
+                                        per_layer=per_layer, prefetch=prefetch, progress=progress,
+                                        distributed=distributed)
+            reply = partial(mlx_reply, lm, tokenizer, max_tokens, temp)
+        if distributed:
+            _join_hosts(lm)
+    except (ValueError, OSError, RuntimeError) as e:
+        fail(e)
+    if trace_path:
+        session.start_trace(lm)
+    history: list[dict] = []
+
+    def answer(text: str) -> None:
+        check_text(text, "the message")
+        message = {"role": "user", "content": text}
+        text, timing = reply([*history, message])  # an answer cut short leaves no trace
+        history.extend([message, {"role": "assistant", "content": text}])
+        click.echo(format_stats(session.stats(lm), timing, host=0 if distributed else None))
+        if distributed:
+            click.echo(format_hosts(loader.host_stats(lm)))
+
+    failed, stopped_by = None, None
+    with terminate_as_interrupt() as ending:
+        try:
+            if prompt is not None:
+                answer(prompt)
+            elif distributed:
+                # a host that failed or was interrupted mid-answer would leave the others waiting
+                interactive(answer, partial(read_on_host_0, lm.moestream.backend.watchdog),
+                            fatal=True)
+            else:
+                interactive(answer)
+        except KeyboardInterrupt:  # ends an interactive chat; a --prompt answer is cut short
+            tell("\n[interrupted]")
+            stopped_by = signal.SIGINT if prompt is not None else None
+        except Terminated as e:
+            tell("\n[terminated]")
+            stopped_by = e.signum
+        except (ValueError, RuntimeError, OSError) as e:
+            # a read error, a lost host, a closed terminal (EIO): the outputs are still written
+            failed = e
+        finally:
+            ending()
+            outputs = [(f"profile {t}", partial(session.save_profile, lm, t)) for t in targets]
+            if trace_path:
+                outputs.append((f"trace {trace_path}",
+                                partial(session.save_trace, lm, trace_path)))
+            unsaved = _save_outputs(outputs)
+    if failed:
+        fail(failed)
+    if unsaved:  # said above
+        sys.exit(1)
+    if stopped_by == signal.SIGINT:
+        # a script running `chat --prompt` must not take a cut answer for a whole one
+        raise Interrupted
+    if stopped_by:  # as a shell reports a command a signal stopped
+        sys.exit(128 + stopped_by)
+
+
+def _join_hosts(lm) -> None:
+    """Silence every host but host 0, since every host samples alike (see `loader._join`)."""
+    if lm.moestream.host[0]:
+        sys.stdout = open(os.devnull, "w")
+
+
+def _save_outputs(outputs: list[tuple[str, Callable[[], None]]]) -> bool:
+    """Save each of `(label, save)` on its own, one failing losing none of the others.
+
+    Returns:
+        Whether one failed, which it said once.
+    """
+    unsaved = False
+    for label, save in outputs:
+        try:
+            save()
+            tell(f"{label} saved", err=True)
+        except (ValueError, OSError) as e:
+            tell(f"Error: {label} not saved: {e}", err=True)
+            unsaved = True
+    return unsaved
