@@ -27,9 +27,9 @@ def stats(model) -> dict:
 
 def __getattr__(name: str):
     if name in ("host_stats", "load", "run_text"):
-        from . import loader
+        from . import mlx
 
-        return getattr(loader, name)
+        return getattr(mlx, name)
     if name in __all__:
         from . import session
 

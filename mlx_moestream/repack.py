@@ -30,7 +30,7 @@ def repack(model_dir: str | Path, out: str | Path | None = None, page_size: int 
     model_dir = Path(model_dir)
     out = Path(out) if out else repack_dir(model_dir)
     _check_out(out)
-    from .loader import load_lazy  # mlx builds the plan; importing repack needs no mlx
+    from .mlx import load_lazy  # mlx builds the plan; importing repack needs no mlx
 
     _, _, _, store, plan = load_lazy(model_dir, drop_page_cache=False, repacked=False)
     source = source_digest(weight_files(model_dir))  # before the reads: see the end

@@ -53,10 +53,10 @@ from mlx_lm.generate import generate_step
 import mlx_moestream
 import mlx_moestream.store
 from mlx_moestream.files import atomic_write_text
-from mlx_moestream.loader import load_lazy
+from mlx_moestream.mlx import load_lazy
 from mlx_moestream.repack import repack
 from mlx_moestream.policies import DEFAULT_POLICY
-from mlx_moestream.mlx_backend import MLXSlotPool
+from mlx_moestream.mlx.pools import MLXSlotPool
 from mlx_moestream.testing import make_tiny_moe
 from mlx_moestream.trace import synthetic_trace
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx_moestream  # noqa: E402
 from mlx_moestream.hub import resolve_model_path  # noqa: E402
-from mlx_moestream.mlx_backend import expert_modules  # noqa: E402
+from mlx_moestream.mlx.model import expert_modules  # noqa: E402
 
 PROMPT = "Ciao! Raccontami una storia breve su un gatto che vive a Roma."
 

@@ -270,7 +270,7 @@ def test_options_out_of_range_are_refused_without_a_profile_too(tiny_model, opti
 @pytest.mark.parametrize("window", [0, -1])
 def test_run_text_refuses_a_window_that_is_not_a_number_of_tokens(window):
     """-1 ran nothing and returned the text's token count; 0 was range()'s error."""
-    from mlx_moestream.loader import run_text
+    from mlx_moestream.mlx import run_text
 
     model, tokenizer = mlx_moestream.load(budget="30%")
     with pytest.raises(ValueError, match=f"window_tokens must be a whole number .* got {window}"):
@@ -350,7 +350,7 @@ def test_a_read_failing_in_a_call_computed_in_rounds_counts_only_the_rounds_that
 
     import mlx.core as mx
 
-    from mlx_moestream.loader import load_lazy
+    from mlx_moestream.mlx import load_lazy
     from mlx_moestream.testing import PROMPT_IDS
 
     path = model_copy()

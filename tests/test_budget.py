@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import mlx_moestream
-from mlx_moestream import budget, loader
+from mlx_moestream import budget
 from mlx_moestream.budget import (auto_budget, available_memory_bytes, cgroup_headrooms,
                                   format_bytes, parse_size, resolve_budget, vm_stat_available)
 from mlx_moestream.errors import BudgetError
+from mlx_moestream.mlx import loading
 
 GiB = 2**30
 
@@ -104,7 +105,7 @@ def test_a_cgroup_without_a_memory_limit_leaves_the_free_memory(tmp_path):
 
 def test_auto_below_the_minimum_says_where_the_memory_went(tiny_model, monkeypatch):
     """Not "budget 0 B is below the minimum", which names a budget nobody gave."""
-    monkeypatch.setattr(loader, "memory_bytes", lambda: 2**19)  # 512 KiB free
+    monkeypatch.setattr(loading, "memory_bytes", lambda: 2**19)  # 512 KiB free
     with pytest.raises(BudgetError, match=r"budget auto: 512.0 KiB of usable memory, less .* of "
                        r"dense weights and a reserve of 256.0 KiB .* leaves .*, below the minimum"):
         mlx_moestream.load(tiny_model(), budget="auto")
@@ -114,13 +115,13 @@ def test_auto_below_the_minimum_of_a_per_layer_split_says_where_the_memory_went(
                                                                                  monkeypatch):
     """Auto was checked against the shared pool's minimum, then the split's refused the bytes
     it gave with no word of the memory they came from."""
-    from mlx_moestream.loader import load_lazy
+    from mlx_moestream.mlx import load_lazy
 
     path = tiny_model()
     plan = load_lazy(path)[-1]
     split = plan.budget_holding(plan.top_k, per_layer=True)
     memory = 2 * (plan.dense_bytes + split) - 2**16  # auto leaves less than the split needs
-    monkeypatch.setattr(loader, "memory_bytes", lambda: memory)
+    monkeypatch.setattr(loading, "memory_bytes", lambda: memory)
     assert plan.min_budget_bytes < memory // 2 - plan.dense_bytes < split
     with pytest.raises(BudgetError, match=r"budget auto: .* of usable memory, .* below the "
                                           rf"minimum {format_bytes(split)}"):

@@ -249,7 +249,7 @@ def test_inspect_prints_every_minimum_in_bytes(tiny_model):
 def test_a_host_holding_fewer_experts_of_a_layer_than_top_k_needs_only_those(tiny_model):
     """8 experts over 3 hosts, top-3: host 0 holds 2 of each layer, and a call routes to at
     most those 2 of its own."""
-    from mlx_moestream.loader import load_lazy
+    from mlx_moestream.mlx import load_lazy
 
     plan = load_lazy(tiny_model("qwen3_moe", num_experts_per_tok=3))[-1]
     share = plan.host_share(0, 3)

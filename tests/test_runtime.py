@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from mlx_moestream.loader import load_lazy
+from mlx_moestream.mlx import load_lazy
 
 # Runs with mlx and torch blocked: a plan (made here by the MLX backend) and numpy slot pools.
 CORE_ONLY = """

@@ -210,10 +210,10 @@ def test_a_shard_replaced_while_the_model_loads_fails_the_load(model_copy, monke
     experts' layout, with no error."""
     import shutil
 
-    from mlx_moestream import loader
+    from mlx_moestream.mlx import loading
 
     path = model_copy("qwen3_moe", shards=2)
-    attach = loader.attach
+    attach = loading.attach
 
     def replacing(*args, **kwargs):
         attach(*args, **kwargs)
@@ -221,6 +221,6 @@ def test_a_shard_replaced_while_the_model_loads_fails_the_load(model_copy, monke
             shutil.copy(shard, path / "new")
             os.replace(path / "new", shard)
 
-    monkeypatch.setattr(loader, "attach", replacing)
+    monkeypatch.setattr(loading, "attach", replacing)
     with pytest.raises(StoreError, match="changed on disk while the model loaded"):
         mlx_moestream.load(path, budget="50%")

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_moestream
 from mlx_moestream import prefetch
 from mlx_moestream.errors import ModelError
-from mlx_moestream.loader import load_lazy
+from mlx_moestream.mlx import load_lazy
 from mlx_moestream.testing import ARCHITECTURES, PROMPT_IDS, greedy_logits
 
 PROMPT = mx.array(PROMPT_IDS)

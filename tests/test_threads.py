@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_moestream.loader import load_lazy
+from mlx_moestream.mlx import load_lazy
 from mlx_moestream.testing import PROMPT_IDS, greedy_logits
 
 import mlx_moestream

@@ -102,12 +102,12 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                                                  prefetch=prefetch, progress=progress)
             reply = partial(torch_reply, lm, tokenizer, max_tokens, temp)
         else:
-            from .. import loader
+            from .. import mlx as mlx_backend
 
-            lm, tokenizer = loader.load(model, budget, policy, profile,
-                                        prewarm_share=prewarm_share, pin_share=pin_share,
-                                        per_layer=per_layer, prefetch=prefetch, progress=progress,
-                                        distributed=distributed)
+            lm, tokenizer = mlx_backend.load(model, budget, policy, profile,
+                                             prewarm_share=prewarm_share, pin_share=pin_share,
+                                             per_layer=per_layer, prefetch=prefetch,
+                                             progress=progress, distributed=distributed)
             reply = partial(mlx_reply, lm, tokenizer, max_tokens, temp)
         if distributed:
             _join_hosts(lm)
@@ -124,7 +124,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         history.extend([message, {"role": "assistant", "content": text}])
         click.echo(format_stats(session.stats(lm), timing, host=0 if distributed else None))
         if distributed:
-            click.echo(format_hosts(loader.host_stats(lm)))
+            click.echo(format_hosts(mlx_backend.host_stats(lm)))
 
     failed, stopped_by = None, None
     with terminate_as_interrupt() as ending:
@@ -165,7 +165,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
 
 
 def _join_hosts(lm) -> None:
-    """Silence every host but host 0, since every host samples alike (see `loader._join`)."""
+    """Silence every host but host 0, since every host samples alike (see `mlx.hosts.join_hosts`)."""
     if lm.moestream.host[0]:
         sys.stdout = open(os.devnull, "w")
 

@@ -22,7 +22,7 @@ from .app import check_torch_model, fail, model_option, torch_backend
 def inspect(model, as_json, hosts, backend):
     """Architecture, experts, bytes per expert, dense bytes and the minimum budget."""
     from ..hub import resolve_model_path
-    from ..loader import load_lazy
+    from ..mlx import load_lazy
 
     check_torch_model(backend, model)
     if backend == "torch" and hosts > 1:

@@ -49,7 +49,8 @@ def profile_list():
 def profile_record(name, text_path, model, budget):
     """Record a workload's profile by running a text through the model (its counts are the
     same at every budget)."""
-    from .. import loader, session
+    from .. import mlx as mlx_backend
+    from .. import session
     from ..profiles import save_target
 
     try:  # the name, the destination and the text are checked before the model runs
@@ -61,8 +62,8 @@ def profile_record(name, text_path, model, budget):
                 from None
         if not text.strip():
             raise ValueError(f"{text_path}: no text, so nothing to profile")
-        lm, tokenizer = loader.load(model, budget)
-        tokens = loader.run_text(lm, tokenizer, text)
+        lm, tokenizer = mlx_backend.load(model, budget)
+        tokens = mlx_backend.run_text(lm, tokenizer, text)
         click.echo(f"{tokens} tokens: {session.save_profile(lm, target)}")
     except (ValueError, OSError) as e:
         fail(e)

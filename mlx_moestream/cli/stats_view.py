@@ -55,7 +55,7 @@ def format_stats(s: dict, response: Any = None, host: int | None = None) -> str:
 
 
 def format_hosts(stats: dict) -> str:
-    """One line of `loader.host_stats`: the hosts' hit rate and reads together, then each's."""
+    """One line of `mlx.host_stats`: the hosts' hit rate and reads together, then each's."""
     total = stats["combined"]
     hosts = ", ".join(f"host {i}: {h['hit_rate']:.1%} hits, "
                       f"{format_bytes(int(h['bytes_read']))} read"

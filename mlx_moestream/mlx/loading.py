@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import math
 import numbers
-import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,22 +12,23 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from .budget import available_memory_bytes
-from .errors import ModelError
-from .hub import check_tokenizer, resolve_model_path
-from .mlx_backend import MLXBackend, attach, plan_model
-from .plan import ModelPlan
-from .policies import DEFAULT_POLICY
-from .profiles import Profile
-from .pipeline import Opened, load_streamed
-from .runtime import Runtime, check_options, check_tokens
-from .session import as_profile, runtime_of
-from .stats import hit_rate
-from .store import ExpertStore
+from ..budget import available_memory_bytes
+from ..errors import ModelError
+from ..hub import check_tokenizer, resolve_model_path
+from ..pipeline import Opened, load_streamed
+from ..plan import ModelPlan
+from ..policies import DEFAULT_POLICY
+from ..profiles import Profile
+from ..runtime import Runtime, check_options, check_tokens
+from ..session import as_profile
+from ..store import ExpertStore
+from .attach import attach
+from .hosts import checkpoint_digest, host_group, join_hosts
+from .model import plan_model
+from .pools import MLXBackend
 
 
 def _cannot_load(path: Path, e: Exception) -> ModelError:
@@ -107,20 +106,20 @@ def load(
     the pre-warm's, or every expert's when the budget holds them all.
     `distributed`, in a program started by `mlx.launch`, divides every layer's experts among
     the hosts (contiguous ranges; dense weights replicated): each streams its own under its own
-    `budget`, and the hosts exchange each MoE layer's outputs (see `mlx_backend.HostExperts`);
+    `budget`, and the hosts exchange each MoE layer's outputs (see `mlx.hosts.HostExperts`);
     an exchange waiting longer than `timeout_seconds` ends the process with an error.
     """
     check_options(policy, prewarm_share, pin_share, window_tokens)
     if distributed and not (isinstance(timeout_seconds, numbers.Real)
                             and 0 < timeout_seconds < math.inf):
         raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
-    group = _host_group() if distributed else None
+    group = host_group() if distributed else None
     if group is not None and (profile is not None or prefetch or per_layer):
         raise ValueError("distributed loads take no profile, prefetch or per-layer split yet")
     host = (group.rank(), group.size()) if group is not None else (0, 1)
     loader = MLXLoader(drop_page_cache, group, timeout_seconds)
     with gc_paused():
-        try:  # with other hosts, each ends its load in `_join`, failed or not
+        try:  # with other hosts, each ends its load in `join_hosts`, failed or not
             path = resolve_model_path(model, revision)
             load_streamed(loader, path, budget, policy,
                           None if profile is None else as_profile(profile),
@@ -130,15 +129,15 @@ def load(
         except Exception as e:
             if group is None:
                 raise
-            _join(group, None, e)
+            join_hosts(group, None, e)
         if group is not None:
-            _join(group, loader.digest)
+            join_hosts(group, loader.digest)
         return loader.model, loader.tokenizer
 
 
 class MLXLoader:
     """MLX's steps of a load (`pipeline.load_streamed`): an mlx-lm model built lazily, its
-    experts modules swapped for streamed ones (`mlx_backend.attach`).
+    experts modules swapped for streamed ones (`mlx.attach`).
 
     Args:
         group: the hosts of a distributed load, each serving its share of every layer's
@@ -146,7 +145,8 @@ class MLXLoader:
         timeout_seconds: how long an exchange between hosts may wait.
     """
 
-    def __init__(self, drop_page_cache: bool, group=None, timeout_seconds: float = 120.0):
+    def __init__(self, drop_page_cache: bool, group: mx.distributed.Group | None = None,
+                 timeout_seconds: float = 120.0):
         self.drop_page_cache, self.group, self.timeout_seconds = (drop_page_cache, group,
                                                                   timeout_seconds)
         self.path: Path | None = None
@@ -170,7 +170,7 @@ class MLXLoader:
         attach(runtime, self.model, prefetch, progress, self.group)
         mx.eval(self.model.parameters())  # the dense weights; experts left the tree
         if self.group is not None:  # before the load drops the files' pages
-            self.digest = _checkpoint_digest(self.path, runtime.store)
+            self.digest = checkpoint_digest(self.path, runtime.store)
 
 
 @contextmanager
@@ -185,83 +185,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-# the files besides the weights that mlx-lm and the tokenizers read
-CHECKPOINT_TEXTS = {".json", ".jinja", ".model", ".txt", ".tiktoken", ".py"}
-
-
-def _checkpoint_digest(path: Path, store: ExpertStore) -> bytes:
-    """What every host must have alike: the weights (`ExpertStore.fingerprint`), and the
-    config and tokenizer files, which shape the computation and the tokens each host feeds."""
-    digest = hashlib.sha256(store.fingerprint())
-    for file in sorted(path.iterdir()):
-        if file.suffix in CHECKPOINT_TEXTS and file.is_file():
-            digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    return digest.digest()
-
-
-def _join(group, digest: bytes | None, error: Exception | None = None) -> None:
-    """Every host's load ends here, together (a collective: a slow load does not count
-    against another host's exchange timeout). A host that failed raises its error, the others
-    name it; hosts whose checkpoints differ (`_checkpoint_digest`) refuse to run: the sum of
-    their experts' outputs would be another model's. Returns on every host or none, each
-    seeding MLX's random generator with host 0's seed: hosts that sample (`temp` above 0)
-    feed the same token, as their outputs' sum needs."""
-    mine = np.zeros(10, np.int32)  # loaded, the digest's 32 bytes, then host 0's seed
-    if error is None:
-        mine[0], mine[1:9] = 1, np.frombuffer(digest, np.int32)
-        if group.rank() == 0:
-            mine[9] = int.from_bytes(os.urandom(3), "big")
-    hosts = mx.distributed.all_gather(mx.array(mine), group=group)
-    try:
-        mx.eval(hosts)  # see `host_stats`
-    except RuntimeError as lost:  # a host ended during its load (Ctrl-C, killed)
-        if error is None:
-            raise ModelError(f"a host ended before every host had loaded the model ({lost})"
-                             ) from None
-    if error is not None:
-        raise error
-    hosts = np.array(hosts).reshape(-1, 10)
-    failed = [str(h) for h in range(len(hosts)) if not hosts[h, 0]]
-    if failed:
-        raise ModelError(f"host {', '.join(failed)} could not load the model (its error is in "
-                         "its output)")
-    other = [str(h) for h in range(len(hosts)) if (hosts[h, :9] != hosts[0, :9]).any()]
-    if other:
-        raise ModelError(f"host {', '.join(other)} has another checkpoint than host 0 (its "
-                         "weights, config or tokenizer files differ): every host needs the "
-                         "same model")
-    mx.random.seed(int(hosts[0, 9]))
-
-
-def _host_group():
-    """This process's group of hosts; an error unless `mlx.launch` started two or more."""
-    group = mx.distributed.init()
-    if group.size() < 2:
-        raise ValueError("distributed=True needs two or more processes started by mlx.launch "
-                         "(e.g. mlx.launch --backend ring -n 2 script.py)")
-    return group
-
-
-HOST_COUNTERS = ("tokens", "hits", "misses", "loads", "evictions", "bytes_read")
-
-
-def host_stats(model: nn.Module) -> dict:
-    """Every host's statistics and their sums, on every host: a collective call, so every
-    host must make it (as they make every forward call)."""
-    runtime = runtime_of(model)
-    mine = runtime.stats_dict()
-    hosts = mx.distributed.all_gather(mx.array([int(mine[k]) for k in HOST_COUNTERS], mx.int64))
-    with runtime.backend.watchdog:  # evaluated first: `np.array` of a collective a lost host made
-        mx.eval(hosts)  # fail returns what it holds (zeros), where `mx.eval` raises
-    rows = np.array(hosts).reshape(runtime.host[1], len(HOST_COUNTERS)).tolist()
-    per_host = [dict(zip(HOST_COUNTERS, row)) for row in rows]
-    total = {k: sum(h[k] for h in per_host) for k in HOST_COUNTERS[1:]}
-    total["tokens"] = per_host[0]["tokens"]
-    for counts in (*per_host, total):
-        counts["hit_rate"] = hit_rate(counts["hits"], counts["misses"])
-    return {"hosts": per_host, "combined": total}
 
 
 def run_text(model: nn.Module, tokenizer: TokenizerWrapper, text: str,
