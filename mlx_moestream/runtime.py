@@ -1,6 +1,6 @@
 """The streaming runtime, backend neutral: route -> ensure resident -> compute.
 
-A backend (`mlx_backend`, `torch`) builds the `ModelPlan`, hands the runtime a `Backend` whose
+A backend (`mlx`, `torch`) builds the `ModelPlan`, hands the runtime a `Backend` whose
 pools hold the experts of each group of layers with one expert shape, and calls `call` from
 each expert layer with a `StreamedLayer`; everything else happens here, the same for every
 backend. Slots are filled in place, so a backend's `settle` must wait for a call's compute
