@@ -93,7 +93,8 @@ class StreamedLayer(Protocol):
         """The call's output, its experts resident in `slots` (shaped as `ids`)."""
 
     def compute_chunks(self, ids: np.ndarray, chunks: Parts, *inputs: Any) -> Any:
-        """The call's output, computing each chunk while the next is read."""
+        """The call's output, computing each chunk while the next is read (called only where
+        `computes_parts`)."""
 
     def compute_rounds(self, ids: np.ndarray, rounds: Parts, *inputs: Any) -> Any:
         """The call's output when its experts do not fit at once: each round is computed before

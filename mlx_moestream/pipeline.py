@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 from .backend import Backend
 from .budget import resolve_budget
 from .plan import ModelPlan
+from .pools import minimum_budget
 from .profiles import Profile
 from .runtime import Runtime
 from .store import ExpertStore
@@ -58,7 +59,7 @@ def load_streamed(loader: ModelLoader, path: Path, budget: int | str | None, pol
     try:
         if profile is not None:
             profile.check_model(plan.identity)
-        minimum = plan.budget_holding(None if opened.whole_calls else plan.top_k, per_layer)
+        minimum = minimum_budget(plan, opened.whole_calls, per_layer)
         budget_bytes = resolve_budget("auto" if budget is None else budget, plan.expert_bytes,
                                       plan.dense_bytes, opened.memory_bytes, minimum)
         weights = profile.working_set() if per_layer and profile is not None else None

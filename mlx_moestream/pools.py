@@ -15,10 +15,15 @@ from .plan import ModelPlan
 T = TypeVar("T")
 
 
+def minimum_budget(plan: ModelPlan, whole_calls: bool, per_layer: bool) -> int:
+    """The bytes one call of a layer must hold: its top-k experts, or every expert of the
+    layer where the backend computes a call at once (`whole_calls`)."""
+    return plan.budget_holding(None if whole_calls else plan.top_k, per_layer)
+
+
 def check_budget(plan: ModelPlan, budget_bytes: int, whole_calls: bool, per_layer: bool) -> None:
-    """Refuse a budget below what one call of a layer must hold: its top-k experts, or every
-    expert of the layer where the backend computes a call at once (`whole_calls`)."""
-    need = plan.budget_holding(None if whole_calls else plan.top_k, per_layer)
+    """Refuse a budget below `minimum_budget`, saying why it is the minimum."""
+    need = minimum_budget(plan, whole_calls, per_layer)
     if budget_bytes >= need:
         return
     what = ("every expert of one layer must fit: the backend computes a call at once"

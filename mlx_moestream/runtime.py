@@ -329,6 +329,12 @@ class Runtime:
             self.backend.count_deferred()
             self.tally()
 
+    def _settle_counts(self) -> None:
+        """Outside a layer call, finish the reads in flight and count all routing held back:
+        residency and counts are then whole. Callers hold the lock."""
+        self.reads.drain()
+        self.count_all()
+
     def slot_map(self, layer: int) -> np.ndarray:
         """The slot of every expert of `layer` (-1: not resident)."""
         return self.layer_cache[layer].slots(layer, np.arange(self.plan.layers[layer].num_experts))
@@ -346,15 +352,13 @@ class Runtime:
         if self.closed:
             raise ClosedError()
         with self.lock:
-            self.reads.drain()  # a pin must not take an expert whose read may yet fail
-            self.count_all()
+            self._settle_counts()  # a pin must not take an expert whose read may yet fail
             return self.prewarmer.run(profile, share, pin_share, progress)
 
     def stats_dict(self) -> dict:
         """What `stats(model)` reports (see `report`)."""
         with self.lock:
-            self.reads.drain()  # so that every resident expert has its load counted
-            self.count_all()
+            self._settle_counts()  # every resident expert with its load counted
             counted = self.stats.as_dict()
         return stats_report(counted, self.plan, self.pools, self.caches, self.prewarmer,
                             self.budget_bytes, self.policy, self.prefetch is not None, self.host)

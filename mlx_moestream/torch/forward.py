@@ -65,6 +65,9 @@ class _StreamedExperts:
 
     def routed(self, predict: bool, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                *rest) -> tuple[np.ndarray, np.ndarray | None]:
+        """The routed ids and the prediction, once the experts are found unchanged (under the
+        runtime's lock: another thread's call of this layer may swap its experts)."""
+        self.check()
         ids = top_k_index.detach().to("cpu").numpy()
         if self.waits:
             self.runtime.count_sync()
@@ -93,8 +96,6 @@ class _StreamedExperts:
             f"layer {self.layer}: a call routes to more experts than the budget holds at once "
             f"({self.runtime.capacity(self.layer)} of {num_experts}); raise the budget")
 
-    compute_chunks = compute_rounds  # never called: `computes_parts` is False
-
     def issued(self, output: torch.Tensor) -> None:
         """CUDA computes the output asynchronously; the slot copies wait for it (`DeviceSlots`)."""
 
@@ -111,9 +112,7 @@ def _stream(module: torch.nn.Module, layer: int, runtime: Runtime,
 
     @torch.compiler.disable  # numpy bookkeeping and a lock, not a graph: it runs as is
     def streaming_forward(hidden_states, top_k_index, *args, **kwargs):
-        with runtime.lock:  # another thread's call of this layer may swap its experts (eager)
-            streamed.check()
-            return runtime.call(streamed, hidden_states, top_k_index, args, kwargs)
+        return runtime.call(streamed, hidden_states, top_k_index, args, kwargs)
 
     module.forward = streaming_forward
 
