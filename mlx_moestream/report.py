@@ -1,11 +1,45 @@
-"""What `stats(model)` reports: the counted statistics with the memory and the settings."""
+"""What a streamed model reports: `stats(model)`'s statistics with the memory and the
+settings, and `Runtime.state`'s snapshot of what it holds."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
 
 from .backend import SlotPool
 from .cache import ExpertCache
 from .plan import ModelPlan
 from .prewarming import Prewarmer
+from .reads import Reads
+
+
+@dataclass(frozen=True)
+class RuntimeState:
+    """What a streamed model holds between layer calls, read without reaching into the
+    runtime's caches and reads (tests, tools, a server's view of its cache)."""
+
+    resident: tuple[frozenset[int], ...]  # per layer, the experts holding a slot
+    pinned: tuple[frozenset[int], ...]  # per layer, the pinned ones (never evicted)
+    reading: frozenset[tuple[int, int]]  # (layer, expert) reads started, not yet waited for
+    held_policy_updates: int  # uses and ticks the policies learn at the next tally
+    free_slots: tuple[tuple[int, ...], ...]  # per slot pool, the slots no expert holds
+
+
+def runtime_state(plan: ModelPlan, caches: list[ExpertCache], layer_cache: list[ExpertCache],
+                  reads: Reads) -> RuntimeState:
+    """The snapshot `Runtime.state` returns."""
+    shape = (plan.num_layers, plan.num_experts)
+    layers = range(plan.num_layers)
+    return RuntimeState(
+        resident=tuple(frozenset(np.flatnonzero(layer_cache[l].slot_of[l] >= 0).tolist())
+                       for l in layers),
+        pinned=tuple(frozenset(np.flatnonzero(layer_cache[l].pinned.reshape(shape)[l]).tolist())
+                     for l in layers),
+        reading=frozenset((group.layer, expert) for group in reads.pending
+                          for expert, _ in group.reads),
+        held_policy_updates=sum(len(cache.held) for cache in caches),
+        free_slots=tuple(tuple(cache.free) for cache in caches))
 
 
 def stats_report(counted: dict, plan: ModelPlan, pools: list[SlotPool],

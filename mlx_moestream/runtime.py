@@ -31,7 +31,7 @@ from .prefetch import Prefetch
 from .prewarming import Prewarmer
 from .profiles import Profile
 from .reads import Group, Reads
-from .report import stats_report
+from .report import RuntimeState, runtime_state, stats_report
 from .stats import Stats
 from .store import ExpertStore
 from .trace import TraceRecorder
@@ -362,6 +362,12 @@ class Runtime:
             counted = self.stats.as_dict()
         return stats_report(counted, self.plan, self.pools, self.caches, self.prewarmer,
                             self.budget_bytes, self.policy, self.prefetch is not None, self.host)
+
+    def state(self) -> RuntimeState:
+        """What the model holds now (resident, pinned, reads in flight, free slots), between
+        layer calls: a snapshot that later calls do not change."""
+        with self.lock:
+            return runtime_state(self.plan, self.caches, self.layer_cache, self.reads)
 
     def forked(self) -> None:
         """In a child forked while the model was loaded (see `forks`): the I/O threads did not

@@ -424,7 +424,7 @@ def test_a_read_failing_in_a_prompt_fails_it_once_every_read_has_ended_and_the_n
     prompt = mx.array(PROMPT_IDS)
     with pytest.raises(StoreError, match=r"cannot read '.*' of layer 1 expert 0 at byte \d+"):
         mx.eval(model(prompt))
-    assert not runtime.reads.pending  # every other read of the prompt ended, and counted, before it
+    assert not runtime.state().reading  # every other read of the prompt ended, and counted, before it
     stats = mlx_moestream.stats(model)["layers"][1]
     assert stats["loads"] == stats["misses"] - 1 > 0
     assert runtime.slot_map(1)[0] < 0  # the failed expert holds no slot

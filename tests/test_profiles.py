@@ -73,8 +73,8 @@ def test_prewarm_loads_the_hottest_experts(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
     profile_path = _saved_profile(path, tmp_path, "25%")
     model, _ = mlx_moestream.load(path, budget="25%", profile=profile_path)
-    slot_of = model.moestream.caches[0].slot_of
-    resident = {(l, e) for l in range(2) for e in range(8) if slot_of[l, e] >= 0}
+    resident = {(l, e) for l, experts in enumerate(model.moestream.state().resident)
+                for e in experts}
     assert resident == set(Profile.load(profile_path).hottest(4))
     assert mlx_moestream.stats(model)["prewarm"]["experts"] == 4
 
@@ -377,14 +377,14 @@ def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
     profile_path = _saved_profile(path, tmp_path, "50%")
     model, tokenizer = mlx_moestream.load(path, budget="50%", profile=profile_path, pin_share=0.5)
-    cache = model.moestream.caches[0]
-    pinned = {(l, e) for l in range(2) for e in range(8) if cache.pinned[l * 8 + e]}
+    runtime = model.moestream
+    pinned = {(l, e) for l, experts in enumerate(runtime.state().pinned) for e in experts}
     assert len(pinned) == 4
     assert sum(layer["pinned"] for layer in mlx_moestream.stats(model)["layers"]) == 4
-    slots = {key: cache.slot_of[key] for key in pinned}
+    slots = {(l, e): runtime.slot_map(l)[e] for l, e in pinned}
     assert mlx_lm.generate(model, tokenizer, "def f(x): return [x] * 9 " * 4, max_tokens=16)
     assert mlx_moestream.stats(model)["evictions"] > 0
-    assert {key: cache.slot_of[key] for key in pinned} == slots
+    assert {(l, e): runtime.slot_map(l)[e] for l, e in pinned} == slots
 
 
 def test_a_full_budget_with_most_slots_pinned_counts_every_routed_token(tiny_model, tmp_path):
@@ -407,11 +407,12 @@ def test_a_prewarm_on_a_full_pool_pins_the_hottest_experts_already_resident(tiny
     model, tokenizer = mlx_moestream.load(path, budget="50%")
     stock, _ = mlx_lm.load(str(path))
     mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
-    cache = model.moestream.caches[0]
-    assert not cache.free  # the session filled the pool
-    resident_hot = {(l, e) for l, e in profile.hottest(4) if cache.slot_of[l, e] >= 0}
+    state = model.moestream.state()
+    assert not any(state.free_slots)  # the session filled the pool
+    resident_hot = {(l, e) for l, e in profile.hottest(4) if e in state.resident[l]}
     info = mlx_moestream.prewarm(model, profile, pin_share=0.5)
-    pinned = {(l, e) for l in range(2) for e in range(8) if cache.pinned[l * 8 + e]}
+    pinned = {(l, e) for l, experts in enumerate(model.moestream.state().pinned)
+              for e in experts}
     assert resident_hot and pinned == resident_hot and info["pinned"] == len(pinned)
     assert (mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
             == mlx_lm.generate(stock, tokenizer, PROMPT, max_tokens=16))
@@ -430,7 +431,7 @@ def test_a_second_prewarm_counts_the_pins_of_the_first(tiny_model, tmp_path, per
     mlx_moestream.prewarm(model, profile, share=0.5, pin_share=0.5)
     mlx_moestream.prewarm(model, other, share=1.0, pin_share=0.5)
     runtime = model.moestream
-    assert runtime.caches[0].pinned_total <= 4
+    assert sum(map(len, runtime.state().pinned)) <= 4
     assert all(runtime.capacity(layer) >= runtime.plan.top_k for layer in range(2))
     stock, _ = mlx_lm.load(str(path))
     assert (mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
@@ -477,8 +478,7 @@ def test_a_prewarm_pins_no_expert_whose_read_is_still_in_flight(tiny_model, refe
     with pytest.raises(KeyboardInterrupt):
         model(token[:, None], cache=cache)
     failing[0] = False
-    in_flight = [(group.layer, expert) for group in runtime.reads.pending
-                 if group.landed is not None for expert, _ in group.reads]
+    in_flight = sorted(runtime.state().reading)
     assert in_flight and {layer for layer, _ in in_flight} == {2}
     decayed = np.zeros((4, 16))
     for i, (layer, expert) in enumerate(in_flight):
@@ -506,14 +506,14 @@ def test_replay_prewarms_the_experts_that_load_prewarms(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
     profile_path = _saved_profile(path, tmp_path, "25%")
     model, _ = mlx_moestream.load(path, budget="25%", profile=profile_path)
-    slot_of = model.moestream.caches[0].slot_of
+    resident = model.moestream.state().resident
     # one token routed to exactly the experts that load() pre-warmed
     experts = np.full((1, 2, 4), -1, np.int16)
     for layer in range(2):
-        warm = np.flatnonzero(slot_of[layer] >= 0)
+        warm = sorted(resident[layer])
         experts[0, layer, : len(warm)] = warm
     trace = Trace(experts, 8)
-    slots = int((slot_of >= 0).sum())
+    slots = sum(map(len, resident))
     hits, accesses = token_hits(trace, "cyclic", 4, Profile.load(profile_path))
     assert slots == 4 and hits[0] == accesses[0] == slots
     assert token_hits(trace, "cyclic", 4)[0][0] == 0

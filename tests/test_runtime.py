@@ -76,3 +76,18 @@ def test_the_minimum_budget_gives_every_pool_its_experts_with_several_expert_sha
         plan = ModelPlan("t", 8, layers, 0, "")
         for k in (8, 64):
             assert min(plan.pool_slots(plan.budget_holding(k))) >= k
+
+
+def test_state_shows_what_a_call_made_resident_and_stays_a_snapshot(tiny_model):
+    import mlx_moestream
+
+    model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%")
+    runtime = model.moestream
+    before = runtime.state()
+    runtime.route(1, np.array([[[2, 5]]]))
+    after = runtime.state()
+    assert before.resident == (frozenset(), frozenset()) and not before.held_policy_updates
+    assert after.resident == (frozenset(), frozenset({2, 5})) and not after.reading
+    assert after.held_policy_updates > 0  # the call's uses, learnt at the next tally
+    assert len(after.free_slots[0]) == len(before.free_slots[0]) - 2
+    assert after.pinned == (frozenset(), frozenset())

@@ -63,7 +63,7 @@ def test_a_full_budget_load_read_in_small_runs_equals_the_expert_reads(tiny_mode
     pool = runtime.pools[0]
     for layer in range(len(runtime.plan.layers)):
         for expert in (0, 5):
-            want = {n: v.copy() for n, v in pool.slot(runtime.caches[0].slot_of[layer, expert]).items()}
+            want = {n: v.copy() for n, v in pool.slot(runtime.slot_map(layer)[expert]).items()}
             got = pool.slot(0)
             saved = {n: v.copy() for n, v in got.items()}
             runtime.store.read_expert(runtime.store_layer[layer], expert, got)
