@@ -68,7 +68,9 @@ class Prewarmer:
             for layer, expert in pins:
                 self.layer_cache[layer].pin(layer, expert)
         stats = self.reads.stats
-        self.record = {"profile": profile.workload, "experts": loaded, "pinned": len(pins),
+        self.record = {"profile": profile.workload, "experts": loaded,
+                       "why_none": None if loaded else self._why_none(share, picks),
+                       "pinned": len(pins),
                        "bytes": nbytes, "read_ms": (time.perf_counter() - start) * 1e3,
                        "at_token": stats.tokens, "hits_before": int(stats.hits.sum()),
                        "misses_before": int(stats.misses.sum())}
@@ -89,6 +91,18 @@ class Prewarmer:
                 self.warm[layer] += 1
                 loaded += 1
         return loaded, nbytes
+
+    def _why_none(self, share: float, picks: list) -> str:
+        """Why a pre-warm read no expert, for a user who expected it to."""
+        if all(cache.holds_all for cache in self.caches):
+            return "every expert is resident at this budget, read at load"
+        if picks:
+            return "no slot was free for its experts"
+        if share <= 0:
+            return "its share of the budget is 0"
+        if not any(cache.free for cache in self.caches):
+            return "no free slot: the session's experts fill the budget"
+        return "its hottest experts are resident already"
 
     def effect(self, hits: int, misses: int) -> dict | None:
         """The latest record with the hit rates of the accesses before it and since, given

@@ -181,6 +181,9 @@ class Reads:
             if group.landed is not None:
                 self.stats.prefetch_loads[group.layer] += 1
                 group.landed.add(expert)
+            else:
+                self.stats.demand_loads[group.layer] += 1
+                self.stats.demand_bytes[group.layer] += nbytes
             reads.pop(0)
         return failed
 

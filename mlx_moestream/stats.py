@@ -21,6 +21,10 @@ class Stats:
         self.hits = np.zeros(n, np.int64)
         self.misses = np.zeros(n, np.int64)
         self.loads = np.zeros(n, np.int64)
+        # reads a call waited for because it missed; the others came at load, by pre-warm
+        # or by prefetch, before any call asked for them
+        self.demand_loads = np.zeros(n, np.int64)
+        self.demand_bytes = np.zeros(n, np.int64)
         self.evictions = np.zeros(n, np.int64)
         self.bytes_read = np.zeros(n, np.int64)
         self.read_seconds = np.zeros(n, np.float64)
@@ -107,8 +111,10 @@ class Stats:
             "hits": int(self.hits[i]),
             "misses": int(self.misses[i]),
             "loads": int(self.loads[i]),
+            "demand_loads": int(self.demand_loads[i]),
             "evictions": int(self.evictions[i]),
             "bytes_read": int(self.bytes_read[i]),
+            "demand_bytes_read": int(self.demand_bytes[i]),
             "read_ms": float(self.read_seconds[i] * 1e3),
             "unique_experts": int((self.activations[i] > 0).sum()),
             "hit_rate": hit_rate(self.hits[i], self.misses[i]),
@@ -128,8 +134,10 @@ class Stats:
             "misses": misses,
             "hit_rate": hit_rate(hits, misses),
             "loads": int(self.loads.sum()),
+            "demand_loads": int(self.demand_loads.sum()),
             "evictions": int(self.evictions.sum()),
             "bytes_read": int(self.bytes_read.sum()),
+            "demand_bytes_read": int(self.demand_bytes.sum()),
             "read_ms": float(self.read_seconds.sum() * 1e3),
             "unique_experts": int((self.activations > 0).sum()),
             "stall_ms": float(self.stall_seconds.sum() * 1e3),

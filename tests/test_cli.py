@@ -231,6 +231,7 @@ def test_chat_statistics_say_what_they_count(tiny_model, tmp_path):
               "--max-tokens", 8, "--budget", "50%", "--prefetch")
     assert out.returncode == 0, out.stderr
     assert "experts, session so far: hit rate" in out.stdout
+    assert " on demand (" in out.stdout and "ms, 8 generated" in out.stdout
     assert "prefetch: " in out.stdout and "before -" not in out.stdout
 
 

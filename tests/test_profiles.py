@@ -88,6 +88,28 @@ def test_prewarm_raises_hit_rate_and_keeps_outputs_identical(tiny_model, tmp_pat
     assert mlx_moestream.stats(warm)["hit_rate"] > mlx_moestream.stats(first)["hit_rate"]
 
 
+def test_prewarm_reads_are_counted_apart_from_demand_reads(tiny_model, tmp_path):
+    """A profile reads experts before any call asks: counted with the demand reads, it made
+    a session with a higher hit rate look as if it read more."""
+    path = tiny_model("qwen3_moe")
+    warm, _ = _session(path, budget="50%", profile=_saved_profile(path, tmp_path, "50%"))
+    stats = mlx_moestream.stats(warm)
+    prewarm = stats["prewarm"]
+    assert prewarm["experts"] > 0 and stats["demand_loads"] == stats["misses"]
+    assert stats["loads"] - stats["demand_loads"] == prewarm["experts"]
+    assert stats["bytes_read"] - stats["demand_bytes_read"] == prewarm["bytes"]
+
+
+def test_a_prewarm_at_a_budget_holding_every_expert_says_why_it_read_none(tiny_model, tmp_path):
+    path = tiny_model("qwen3_moe")
+    profile = _saved_profile(path, tmp_path, "50%")
+    out = _cli("chat", "-m", path, "--prompt", PROMPT, "-n", 4, "-b", "100%",
+               "--profile", "load", profile, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (f"pre-warmed 0 experts from profile '{Profile.load(profile).workload}' (every "
+            "expert is resident at this budget, read at load)") in out.stdout
+
+
 def test_prewarm_mid_session_splits_the_hit_rate_at_that_point(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
     profile_path = _saved_profile(path, tmp_path, "50%")

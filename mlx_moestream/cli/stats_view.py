@@ -17,22 +17,29 @@ def format_stats(s: dict, response: Any = None, host: int | None = None) -> str:
     """
     lines = []
     if response is not None:
+        # mlx-lm times the prompt up to the first generated token
+        first_ms = response.prompt_tokens / max(response.prompt_tps, 1e-9) * 1e3
         lines.append(
             f"[{response.prompt_tokens} prompt tokens at {response.prompt_tps:.1f} tok/s, "
+            f"first token after {first_ms:.0f} ms, "
             f"{response.generation_tokens} generated at {response.generation_tps:.1f} tok/s]"
         )
     whose = "experts" if host is None else f"host {host} experts"
     lines.append(
         f"{whose}, session so far: hit rate {s['hit_rate']:.1%} ({s['hits']} hits, "
-        f"{s['misses']} misses), "
-        f"{s['loads']} loads, {s['evictions']} evictions, read {format_bytes(s['bytes_read'])} "
-        f"in {s['read_ms']:.0f} ms; resident {format_bytes(s['resident_bytes'])} of budget "
+        f"{s['misses']} misses), {s['evictions']} evictions; "
+        f"read {format_bytes(s['demand_bytes_read'])} on demand ({s['demand_loads']} experts)"
+        + (f", {format_bytes(s['bytes_read'] - s['demand_bytes_read'])} ahead of use "
+           f"({ahead})" if (ahead := s['loads'] - s['demand_loads']) else "")
+        + f" in {s['read_ms']:.0f} ms; resident {format_bytes(s['resident_bytes'])} of budget "
         f"{format_bytes(s['budget_bytes'])} ({s['policy']})"
     )
     if s["prewarm"]:
         w = s["prewarm"]
+        read = (f"{format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms" if w["experts"]
+                else w["why_none"])
         lines.append(f"pre-warmed {w['experts']} experts from profile '{w['profile']}' "
-                     f"({format_bytes(w['bytes'])} in {w['read_ms']:.0f} ms), "
+                     f"({read}), "
                      f"{w['pinned']} pinned; hit rate since {_percent(w['hit_rate_after'])}"
                      + ("" if w["hit_rate_before"] is None
                         else f", before it {_percent(w['hit_rate_before'])}"))
