@@ -148,10 +148,16 @@ class Runtime:
 
     def route(self, layer: int, ids: np.ndarray, compute: bool = True, record: bool = True
               ) -> np.ndarray | None:
-        """The slots of a call's routed `ids` [..., k], once its misses are read; None when
-        the call routes to more experts than the layer may hold at once: compute it by
-        `rounds`. `compute=False`: the caller computes nothing from the slots (it counts a
-        call made without them); `record`: a trace in progress records the call."""
+        """The slots of a call's routed `ids` [..., k], once its misses are read.
+
+        Args:
+            compute: False when the caller computes nothing from the slots (it only counts).
+            record: whether a trace in progress records the call.
+
+        Returns:
+            The slots, shaped as `ids`; None when the call routes to more experts than the
+            layer holds at once: compute it by `rounds`.
+        """
         with CRITICAL:
             admitted = self._admit(layer, ids, compute, record)
             if admitted is None:
@@ -163,12 +169,15 @@ class Runtime:
 
     def _admit(self, layer: int, ids: np.ndarray, compute: bool, record: bool
                ) -> tuple[list[int], np.ndarray] | None:
-        """What every call does before its experts are made resident: finish reads in flight,
-        count, record, mask. Ids outside [0, experts) load nothing, count nothing and get a
-        routed expert's slot (the model discards their outputs); a call whose every id is
-        masked gets expert 0's, read if need be, or counts its tokens alone if it computes
-        nothing. Returns (distinct experts in order, ids), or None when the call must be
-        computed by `rounds` or computes nothing."""
+        """Start a call: finish the reads in flight, count and record its routing, mask ids.
+
+        Ids outside [0, experts) read and count nothing and take a routed expert's slot (the
+        model discards their outputs); a call whose every id is masked uses expert 0.
+
+        Returns:
+            (distinct experts in order, ids), or None when the call computes by `rounds` or
+            computes nothing.
+        """
         if self.closed and compute:
             raise ClosedError()
         if self.held:  # the backend did not tally the previous call
@@ -218,11 +227,13 @@ class Runtime:
             self.prefetch.reading = {base + e for e in experts}
 
     def evicted(self, keys: list[int], layer: int, loads: list[tuple[int, int]]) -> None:
-        """Release the cache's victims (`layer * num_experts + expert`), whose slots `loads`
-        (`layer`'s (expert, slot) reads, decided with them) were given; their count is held
-        until the call's tally. A release that fails (madvise) or is cut short (a signal
-        handler that raises) leaves no read to come: those experts leave their slots, which
-        they would claim with bytes that never landed."""
+        """Release the cache's victims `keys` (`layer * num_experts + expert`), counted at the
+        call's tally.
+
+        Args:
+            loads: `layer`'s (expert, slot) reads decided with the eviction. When the release
+                fails (madvise) or is interrupted no read follows, so these leave their slots.
+        """
         self.held.append((self.stats.count_evictions, (keys,)))
         try:
             self._release(keys)
@@ -231,10 +242,12 @@ class Runtime:
             raise
 
     def forget(self, layer: int, *experts: int) -> None:
-        """Experts whose reads failed or were cut short (or never started) leave their slots,
-        so they are never read as valid (again: nothing for one that left already), every one
-        before any is released (a release may fail). A step of its own: the policy updates
-        held before it are made first, and an interrupt must not cut them short."""
+        """Take experts whose reads failed, were cut short or never started out of their slots.
+
+        Forgetting one twice does nothing. One step that an interrupt cannot cut: the held
+        policy updates first, then every expert leaves before any is released (a release may
+        fail).
+        """
         with CRITICAL:
             gone = [layer * self.plan.num_experts + expert for expert in experts
                     if self.layer_cache[layer].discard(layer, expert)]
@@ -259,12 +272,17 @@ class Runtime:
         return nbytes, time.perf_counter() - start
 
     def route_chunks(self, layer: int, ids: np.ndarray) -> Parts | None:
-        """`route` for a call of many tokens, whose misses take long to read: None when it does
-        not fit (compute it by `rounds`), else the call chunk by chunk, each as soon as its
-        experts are resident: (positions in the flat ids, their slots), positions None for the
-        whole call (slots then shaped as `ids`). The resident experts come first, then the
-        misses in file order, `PIPELINE_CHUNKS` groups at most, all read at once: the caller
-        computes a chunk (without waiting for it) while the next ones are read."""
+        """`route` for a call of many tokens: its chunks, each as soon as its experts land.
+
+        The resident experts' chunk comes first, then the misses in file order, in at most
+        `PIPELINE_CHUNKS` groups read at once: the caller computes a chunk while the next
+        ones are read.
+
+        Returns:
+            None when the call does not fit (compute it by `rounds`), else an iterator of
+            (positions in the flat ids, their slots); positions None for the whole call,
+            slots then shaped as `ids`.
+        """
         with CRITICAL:
             admitted = self._admit(layer, ids, True, True)
             if admitted is None:
@@ -278,9 +296,11 @@ class Runtime:
         return chunks(self.reads, layer, ids, slots, groups)
 
     def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """A call `route` could not fit, a slot pool at a time: yields (positions in the flat
-        ids, their slots); the caller computes each round before asking for the next, which
-        may reuse its slots."""
+        """A call too large for the layer's slots, a pool's worth of experts at a time.
+
+        Yields (positions in the flat ids, their slots); the caller computes each round before
+        asking for the next, which may reuse its slots.
+        """
         given, num = ids.reshape(-1), self.plan.layers[layer].num_experts
         routed, flat = unmasked(given, num)
         order = np.argsort(flat, kind="stable")
@@ -303,7 +323,7 @@ class Runtime:
 
     def read_ahead(self, layer: int, predicted: np.ndarray) -> None:
         """Start reading the next layer's `predicted` experts (distinct ids) that are not
-        resident, while this call computes; its own experts stay (see `prefetch`)."""
+        resident, while this call computes; the call's own experts are never the victims."""
         nxt = layer + 1
         if not self.prefetch.worth_reading(layer, predicted):
             return
@@ -315,9 +335,11 @@ class Runtime:
             self.reads.start(nxt, loads, landed=landed)
 
     def tally(self) -> None:
-        """Count the calls routed since the latest tally and make the policy updates they
-        held back. Nothing the calls compute depends on these, so a backend tallies once a
-        call's compute is issued, while the device works; the next call tallies otherwise."""
+        """Count the calls routed since the last tally and make the policy updates they held.
+
+        No compute depends on these: a backend tallies once a call's compute is issued, while
+        the device works (else the next call does).
+        """
         with CRITICAL:  # a policy must learn of every key that became resident
             for cache in self.caches:
                 cache.catch_up()
@@ -384,9 +406,11 @@ class Runtime:
         raise NotCopyableError()
 
     def close(self) -> None:
-        """Finish the reads in flight and close the files; the model cannot stream after. A
-        prewarm or layer call of another thread stops at its next read (`closed`), and its
-        step ends before the files close: none of its reads opens them again."""
+        """Finish the reads in flight and close the files; the model cannot stream after.
+
+        Another thread's pre-warm or layer call stops at its next read, and its step ends
+        before the files close, so none of its reads opens them again.
+        """
         self.closed = True
         with self.lock:
             self.reads.close()
