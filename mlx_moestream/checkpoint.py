@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import StoreError
+from .files import open_regular, parse_json, read_json
 
 # safetensors dtype -> numpy dtype of the raw bytes (bf16 and fp8 are read as raw integers).
 RAW_DTYPES = {
@@ -92,10 +93,7 @@ def read_header(path: Path) -> tuple[dict, int]:
         The header, and the absolute offset of the data section.
     """
     raw = header_bytes(path)
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StoreError(f"{path}: corrupt safetensors header JSON ({e})") from None
+    header = parse_json(raw, path, "corrupt safetensors header JSON", StoreError)
     if not isinstance(header, dict):
         raise StoreError(f"{path}: corrupt safetensors header (not a JSON object)")
     return header, 8 + len(raw)
@@ -103,9 +101,9 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 def header_bytes(path: Path) -> bytes:
     """A safetensors file's header as stored, its length checked against the file's size."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+    with open_regular(path, "cannot read", StoreError) as f:  # a directory: "cannot read"
+        try:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise StoreError(f"{path}: truncated safetensors file ({size} bytes, no header)")
@@ -114,8 +112,8 @@ def header_bytes(path: Path) -> bytes:
                 raise StoreError(f"{path}: header claims {n} bytes but the file has {size}: "
                                  f"truncated or corrupt")
             return f.read(n)
-    except OSError as e:  # a directory, a symlink loop, no permission
-        raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
+        except OSError as e:  # a read error of the disk
+            raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def index_file(path: Path, file_id: int) -> dict[str, TensorInfo]:
@@ -159,9 +157,10 @@ def weight_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("model*.safetensors"))
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
+        content = read_json(index, "corrupt shard index", StoreError)
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, OSError, UnicodeDecodeError) as e:
+            weight_map = content["weight_map"]
+        except (KeyError, TypeError) as e:
             raise StoreError(f"{index}: corrupt shard index ({type(e).__name__}: {e})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str)
                                                        for f in weight_map.values()):

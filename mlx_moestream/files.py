@@ -1,10 +1,12 @@
-"""Writing files atomically: profiles, traces, manifests and reports are never left half-written."""
+"""Reading and writing the tool's files: only regular files are read (a FIFO's read never
+ends), and profiles, traces, manifests and reports are never left half-written."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
 import hashlib
+import json
 import os
 import secrets
 import socket
@@ -15,6 +17,45 @@ from typing import BinaryIO, Callable
 # this host, in temporary files' names: a short digest (a host name may hold any character)
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 WRITER = "mlx-moestream"  # the mark of the files this tool writes where a format holds one
+
+
+def open_regular(path: str | os.PathLike, problem: str, error: type[ValueError] = ValueError
+                 ) -> BinaryIO:
+    """Open `path` to read if it is a regular file. A FIFO would wait for a writer forever and
+    a device (/dev/zero) never end: opened without waiting, they are refused by what the open
+    descriptor is, and any failure is an `error` "PATH: PROBLEM (why)"."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise error(f"{path}: {problem} ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{path}: {problem} (not a regular file)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def parse_json(data: bytes | str, path: str | os.PathLike, problem: str,
+               error: type[ValueError] = ValueError) -> object:
+    """JSON `data` read from `path`; text that is not JSON, or nested too deeply for Python's
+    parser, is an `error` "PATH: PROBLEM (why)"."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise error(f"{path}: {problem} (JSON nested too deeply)") from None
+    except ValueError as e:  # not JSON, or not even UTF-8
+        raise error(f"{path}: {problem} ({e})") from None
+
+
+def read_json(path: str | os.PathLike, problem: str, error: type[ValueError] = ValueError
+              ) -> object:
+    """The JSON content of the regular file `path` (see `open_regular`, `parse_json`)."""
+    with open_regular(path, problem, error) as f:
+        try:
+            data = f.read()
+        except OSError as e:
+            raise error(f"{path}: {problem} ({e.strerror or e})") from None
+    return parse_json(data, path, problem, error)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:

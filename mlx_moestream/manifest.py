@@ -15,6 +15,7 @@ import numpy as np
 
 from .checkpoint import ExpertTensor, file_identity, header_bytes
 from .errors import StoreError
+from .files import read_json
 
 REPACK_DIR = "moestream-experts"
 REPACK_SCHEMA = "mlx-moestream-repack"
@@ -97,10 +98,7 @@ def read_manifest(folder: Path, files: list[Path] | None) -> dict:
         The manifest, once its own checksum and the size of `experts.bin` check out.
     """
     path = folder / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # not JSON, or not even UTF-8
-        raise StoreError(f"{path}: unreadable repack manifest ({e})") from None
+    manifest = read_json(path, "unreadable repack manifest", StoreError)
     if (not isinstance(manifest, dict) or manifest.get("schema") != REPACK_SCHEMA
             or manifest.get("checksum") != manifest_checksum(manifest)
             or not {"bin_bytes", "source", "layers"} <= manifest.keys()):

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .files import read_json
+
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk",
               "moe_top_k", "moe_k", "top_k_experts", "top_k")
 
@@ -157,10 +159,10 @@ class ModelPlan:
 def read_config(model_dir: Path) -> dict:
     """config.json with generation_config.json's eos_token_id, as mlx-lm reads it: the config a
     profile's identity hashes, the same on every backend."""
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_json(model_dir / "config.json", "unreadable config")
     try:
-        generation = json.loads((model_dir / "generation_config.json").read_text())
-    except (OSError, ValueError):
+        generation = read_json(model_dir / "generation_config.json", "unreadable config")
+    except ValueError:  # none, or one mlx-lm ignores too
         generation = {}
     if eos := generation.get("eos_token_id"):
         config["eos_token_id"] = eos

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ProfileError
-from .files import atomic_write_text, check_replaceable
+from .files import atomic_write_text, check_replaceable, read_json
 
 SCHEMA = "mlx-moestream-profile"
 VERSION = 1
@@ -78,13 +78,7 @@ class Profile:
     def read(path: Path) -> dict:
         """A profile file's content, of any version: what saving may replace (another version
         of this tool wrote it too)."""
-        if path.exists() and not path.is_file():  # a FIFO's read waits for a writer, forever
-            raise ProfileError(f"{path}: not a readable profile (not a regular file)")
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            raise ProfileError(f"{path}: not a readable profile ({why})") from None
+        data = read_json(path, "not a readable profile", ProfileError)
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ProfileError(f"{path}: not an mlx-moestream profile (schema != '{SCHEMA}')")
         return data

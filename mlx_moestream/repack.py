@@ -17,7 +17,7 @@ import numpy as np
 
 from .checkpoint import weight_files
 from .errors import StoreError
-from .files import atomic_write, atomic_write_text, check_replaceable
+from .files import atomic_write, atomic_write_text, check_replaceable, read_json
 from .manifest import REPACK_SCHEMA, manifest_checksum, read_manifest, repack_dir, source_digest
 
 
@@ -112,7 +112,7 @@ def _check_out(out: Path) -> None:
 
 
 def _read_schema(manifest: Path) -> None:
-    content = json.loads(manifest.read_text())
+    content = read_json(manifest, "not a repack manifest")
     if not isinstance(content, dict) or content.get("schema") != REPACK_SCHEMA:
         raise ValueError("not a repack manifest")
 

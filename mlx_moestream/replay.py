@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .cache import ExpertCache, split_slots
-from .files import WRITER, atomic_write, check_replaceable
+from .files import WRITER, atomic_write, check_replaceable, open_regular
 from .policies import Future, Policy, make_policy, policy_class
 from .profiles import Profile
 from .stats import Stats
@@ -174,7 +174,7 @@ def check_plot_target(path: str | Path) -> None:
 
 def _read_png_mark(path: Path) -> None:
     """Raise unless the PNG's text chunks (before its image data) carry `PNG_MARK`."""
-    with open(path, "rb") as f:
+    with open_regular(path, "not a PNG") as f:
         if f.read(len(PNG)) != PNG:
             raise ValueError("not a PNG")
         while header := f.read(8):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import TraceError
-from .files import WRITER, atomic_write, check_replaceable
+from .files import WRITER, atomic_write, check_replaceable, open_regular
 
 _REQUIRED = ("experts", "num_experts")
 # A trace is routing ids: 1M tokens x 64 layers x top-8 as int16 is 1 GiB. Past this many bytes
@@ -66,22 +66,23 @@ class Trace:
         """Read and validate a trace file; every problem raises `TraceError` naming the file.
         Each array's size is read from its header first: a file that would expand beyond
         `MAX_TRACE_BYTES` (a zip bomb) is refused before anything is decompressed."""
+        unreadable = "not a readable trace .npz"
         try:
-            if os.path.isfile(path) and not zipfile.is_zipfile(path):  # not "pickled data"
-                raise TraceError(f"{path}: not an .npz archive (a trace is a zip of .npy arrays)")
-            data = np.load(path, allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise TraceError(f"{path}: not an .npz archive")
-            with data:
-                pickled = _check_sizes(path, data)
-                # pickled objects are never loaded (that could run code): another tool's
-                # metadata of that kind is left out
-                arrays = {name: data[name] for name in data.files
-                          if name not in pickled or name in _REQUIRED + _OPTIONAL}
+            with open_regular(path, unreadable, TraceError) as f:
+                # anything but a zip numpy would read as a pickle, and refuse as one
+                if f.read(4) not in (b"PK\x03\x04", b"PK\x05\x06"):
+                    raise TraceError(f"{path}: {unreadable} (not a zip of .npy arrays)")
+                f.seek(0)
+                with np.load(f, allow_pickle=False) as data:
+                    pickled = _check_sizes(path, data)
+                    # pickled objects are never loaded (that could run code): another tool's
+                    # metadata of that kind is left out
+                    arrays = {name: data[name] for name in data.files
+                              if name not in pickled or name in _REQUIRED + _OPTIONAL}
         except TraceError:
             raise
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise TraceError(f"{path}: cannot read a trace .npz: {e}") from e
+            raise TraceError(f"{path}: {unreadable} ({e})") from e
         missing = [name for name in _REQUIRED if name not in arrays]
         if missing:
             raise TraceError(f"{path}: missing {', '.join(missing)}")

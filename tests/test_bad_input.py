@@ -1,8 +1,11 @@
 """Bad model files and budgets fail with an error that names the problem."""
 
 import json
+import os
 import re
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -431,3 +434,45 @@ def test_a_read_failing_in_a_prompt_fails_it_once_every_read_has_ended_and_the_n
     monkeypatch.undo()
     stock, _ = mlx_lm.load(str(path))
     assert mx.array_equal(model(prompt), stock(prompt)).item()
+
+
+def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own, killed (and the test failed) if it hangs."""
+    return subprocess.run([sys.executable, "-m", "mlx_moestream", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.parametrize("fifo, command, message", [
+    ("t.npz", ["replay", "t.npz"], r"t\.npz: not a readable trace \.npz \(not a regular file\)"),
+    ("m/model.safetensors.index.json", ["inspect", "-m", "m"],
+     r"index\.json: corrupt shard index \(not a regular file\)"),
+    ("m/model.safetensors.index.json", ["chat", "-m", "m", "--prompt", "hi", "-n", "1"],
+     r"index\.json: corrupt shard index \(not a regular file\)"),
+    ("m/moestream-experts/manifest.json", ["repack", "-m", "m"],
+     r"refusing to replace .*manifest\.json: it is not a repack manifest"),
+    ("text.txt", ["profile", "record", "p.json", "--text", "text.txt", "-m", "m"],
+     r"text\.txt: cannot read the text \(not a regular file\)"),
+], ids=["replay trace", "inspect index", "chat index", "repack manifest", "profile text"])
+def test_a_named_pipe_where_a_file_is_read_is_refused_at_once(model_copy, tmp_path, fifo,
+                                                              command, message):
+    """Reading a FIFO waits for a writer forever: refused by what it is, before any read."""
+    model_copy()  # tmp_path/copy
+    (tmp_path / "m").symlink_to(tmp_path / "copy")
+    (tmp_path / fifo).parent.mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / fifo)
+    out = run_cli(*command, cwd=tmp_path)
+    assert out.returncode == 1
+    assert re.search(r"^Error: .*" + message + "$", out.stderr, re.M), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+def test_a_repack_manifest_that_is_a_named_pipe_is_ignored_with_a_warning(model_copy, tmp_path):
+    path = model_copy()
+    (path / "moestream-experts").mkdir()
+    os.mkfifo(path / "moestream-experts" / "manifest.json")
+    out = run_cli("chat", "-m", path, "--prompt", "hi", "-n", "1")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^Warning: ignoring the repacked experts: .*manifest\.json: unreadable "
+                     r"repack manifest \(not a regular file\)$", out.stderr, re.M), out.stderr

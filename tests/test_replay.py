@@ -281,11 +281,20 @@ def test_unreadable_trace_files_raise_trace_error(tmp_path):
     with zipfile.ZipFile(tmp_path / "truncated.npz", "w") as z:
         z.writestr("experts.npy", b"\x93NUMPY garbage")
     (tmp_path / "notes.txt").write_text("hello")
-    for name, problem in [("missing.npz", "cannot read"), ("junk.npz", "not an .npz archive"),
-                          ("notes.txt", "not an .npz archive"), ("plain.npy", "not an .npz"),
-                          ("truncated.npz", "cannot read")]:
+    for name, problem in [("missing.npz", "not a readable trace .npz"),
+                          ("junk.npz", r"not a readable trace .npz \(not a zip"),
+                          ("notes.txt", r"not a readable trace .npz \(not a zip"),
+                          ("plain.npy", r"not a readable trace .npz \(not a zip"),
+                          ("truncated.npz", "not a readable trace .npz")]:
         with pytest.raises(TraceError, match=f"{name}: {problem}"):
             Trace.load(tmp_path / name)
+
+
+def test_replaying_a_device_says_it_is_not_a_trace_and_never_offers_to_unpickle():
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream", "replay", "/dev/zero"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr == "Error: /dev/zero: not a readable trace .npz (not a regular file)\n"
 
 
 def test_trace_error_is_a_value_error():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
+from ..files import open_regular
 from .app import budget_option, fail, model_option
 
 if TYPE_CHECKING:
@@ -55,8 +55,10 @@ def profile_record(name, text_path, model, budget):
 
     try:  # the name, the destination and the text are checked before the model runs
         target = save_target(name)
+        with open_regular(text_path, "cannot read the text") as f:
+            data = f.read()
         try:
-            text = Path(text_path).read_text(encoding="utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{text_path}: not UTF-8 text ({e.reason} at byte {e.start})") \
                 from None

@@ -8,7 +8,6 @@ than merging experts) is refused, since its weights are copied and read as store
 from __future__ import annotations
 
 import inspect
-import json
 import mmap
 import re
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers import initialization as init
 
 from ..errors import ModelError, StoreError
+from ..files import read_json
 from ..plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
 from ..store import ExpertStore
 from .layout import DTYPES, _Experts, _expert_params, _row_offset
@@ -76,7 +76,8 @@ def _stock_files(path: Path, store: ExpertStore) -> list[str]:
     if (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     elif index.exists():  # the store has checked it
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(read_json(index, "corrupt shard index", ModelError)["weight_map"]
+                           .values()))
     else:
         raise ModelError(f"{path}: no model.safetensors or model.safetensors.index.json, which "
                          "transformers loads from")
@@ -96,7 +97,8 @@ def _stock_dtype(path: Path, config, files: list[str]) -> torch.dtype | None:
     wanted = config.dtype
     index = path / "model.safetensors.index.json"
     if wanted is None and files != ["model.safetensors"]:
-        wanted = (json.loads(index.read_text()).get("metadata") or {}).get("dtype")
+        wanted = (read_json(index, "corrupt shard index", ModelError).get("metadata")
+                  or {}).get("dtype")
     if wanted is None:
         try:
             wanted = get_state_dict_dtype(load_state_dict(str(path / files[0]),
