@@ -25,9 +25,10 @@ from .errors import TraceError
 from .files import WRITER, atomic_write, check_replaceable, open_regular
 
 _REQUIRED = ("experts", "num_experts")
-# A trace is routing ids: 1M tokens x 64 layers x top-8 as int16 is 1 GiB. Past this many bytes
-# of arrays, a file is refused before it is decompressed.
-MAX_TRACE_BYTES = 4 * 2**30
+# Past this many bytes of arrays a file is refused before it is decompressed: `replay` holds each
+# routed id as Python objects, about 45 times its two bytes, so it stays under 3 GiB. The ids of
+# 85k tokens x 48 layers x top-8 are 64 MiB.
+MAX_TRACE_BYTES = 64 * 2**20
 _OPTIONAL = ("weights", "segment_id")
 _MAX_EXPERTS = int(np.iinfo(np.int16).max) + 1
 
@@ -265,7 +266,7 @@ def _check_sizes(path, data: np.lib.npyio.NpzFile) -> set[str]:
         total += math.prod(shape) * dtype.itemsize
         if total > MAX_TRACE_BYTES:
             raise TraceError(f"{path}: array '{member.removesuffix('.npy')}' would expand the "
-                             f"trace past {MAX_TRACE_BYTES >> 30} GiB ({shape} {dtype}): refused")
+                             f"trace past {MAX_TRACE_BYTES >> 20} MiB ({shape} {dtype}): refused")
     return pickled
 
 

@@ -402,6 +402,45 @@ def test_a_trace_that_would_expand_past_the_limit_is_refused_before_decompressin
         Trace.load(path)
 
 
+def _declaring(path: Path, experts_bytes: int) -> None:
+    """A trace whose `experts` are that many bytes of zeros, written in chunks: a few MiB."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        with z.open("experts.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(
+                f, {"descr": "<i2", "fortran_order": False, "shape": (experts_bytes // 2, 1, 1)})
+            chunk = bytes(2**26)
+            for start in range(0, experts_bytes, len(chunk)):
+                f.write(chunk[: experts_bytes - start])
+        with z.open("num_experts.npy", "w") as f:
+            np.lib.format.write_array(f, np.array(4))
+
+
+def test_replay_of_a_trace_that_would_expand_past_the_limit_stays_in_bounded_memory(tmp_path):
+    """A file of a few MiB whose `experts` declare 3.9 GiB: refused from its header, the
+    process's peak resident memory (VmHWM) read from /proc staying far below it. A data limit
+    makes a regression fail instead of filling the memory."""
+    from mlx_moestream.trace import MAX_TRACE_BYTES
+
+    path = tmp_path / "big.npz"
+    _declaring(path, 39 * 2**30 // 10)
+    assert path.stat().st_size < 2**25
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_DATA, (3 * 2**30, 3 * 2**30))\n"
+            "from mlx_moestream.cli import main\n"
+            "try:\n"
+            "    main(['replay', sys.argv[1], '--capacity', '1.0'])\n"
+            "finally:\n"
+            "    print(*[l for l in open('/proc/self/status') if l.startswith('VmHWM')],\n"
+            "          file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert (f"Error: {path}: array 'experts' would expand the trace past "
+            f"{MAX_TRACE_BYTES >> 20} MiB") in out.stderr
+    peak_kib = int(out.stderr.split("VmHWM:")[1].split()[0])
+    assert peak_kib * 2**10 < 2**29
+
+
 def test_saving_a_trace_over_a_file_that_is_not_a_trace_is_refused(tmp_path):
     trace = synthetic_trace(16, 2, 8, 2, seed=0)
     notes = tmp_path / "notes.npz"
