@@ -99,8 +99,10 @@ def check_replaceable(path: str | os.PathLike, check: Callable[[Path], object], 
     OSError or ValueError on any other, and then `error` says so. Never a file this tool did
     not write. A missing or read-only folder, and a name too long for its folder (or its
     temporary file's), are refused here too: the write would fail after the work (`lexists`
-    only says False for such a name). A symbolic link is checked where `atomic_write` writes:
-    beside the file it points to."""
+    only says False for such a name), and so is an empty name (it is no file). A symbolic link
+    is checked where `atomic_write` writes: beside the file it points to."""
+    if not os.fspath(path):
+        raise error("cannot write '': the file name is empty")
     path = _written_path(path)
     if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
         raise error(f"cannot write {path}: {path.parent} is not a writable folder")

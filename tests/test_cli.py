@@ -205,6 +205,14 @@ def test_an_output_that_cannot_be_saved_is_reported_once(tiny_model, tmp_path):
     assert proc.stderr.count("no complete forward call was recorded") == 1, proc.stderr
 
 
+@pytest.mark.parametrize("option", [["--trace", ""], ["--profile", "save", ""]])
+def test_an_output_of_an_empty_file_name_is_refused_before_the_chat(tiny_model, option):
+    out = run("chat", "-m", tiny_model("qwen3_moe"), "--prompt", "hi", "-n", "1", *option)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("Error: ") and "''" in out.stderr, out.stderr
+    assert out.stdout == ""
+
+
 def test_help_and_version_start_without_importing_mlx():
     code = ("import sys; from click.testing import CliRunner; from mlx_moestream.cli import main; "
             "runner = CliRunner(); assert runner.invoke(main, ['--help']).exit_code == 0; "

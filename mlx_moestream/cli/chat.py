@@ -82,16 +82,17 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         raise click.UsageError("--distributed needs --backend mlx")
     if backend == "mlx" and device != "cpu":  # else silently on MLX's own device
         raise click.UsageError("--device is the torch backend's (MLX runs on its default device)")
-    if distributed and (profiles or trace_path or per_layer or prefetch):
+    if distributed and (profiles or trace_path is not None or per_layer or prefetch):
         raise click.UsageError("--distributed takes no --profile, --trace, --per-layer or "
                                "--prefetch yet")
     try:  # every output is checked before the session, not found unwritable at its end
         if prompt is not None:
             check_text(prompt, "--prompt")
         targets = [save_target(name) for name in to_save]
-        if trace_path:
+        if trace_path is not None:
             check_save_target(trace_path)
-        written = [os.path.realpath(t) for t in [*targets, *([trace_path] if trace_path else [])]]
+        paths = [*targets, *([trace_path] if trace_path is not None else [])]
+        written = [os.path.realpath(t) for t in paths]
         if len(set(written)) < len(written):  # the second write would refuse, or replace, the first
             raise click.UsageError("--trace and each --profile save need a file of their own")
         profile = to_load[0] if to_load else None
@@ -113,7 +114,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
             _join_hosts(lm)
     except (ValueError, OSError, RuntimeError) as e:
         fail(e)
-    if trace_path:
+    if trace_path is not None:
         session.start_trace(lm)
     history: list[dict] = []
 
@@ -149,7 +150,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         finally:
             ending()
             outputs = [(f"profile {t}", partial(session.save_profile, lm, t)) for t in targets]
-            if trace_path:
+            if trace_path is not None:
                 outputs.append((f"trace {trace_path}",
                                 partial(session.save_trace, lm, trace_path)))
             unsaved = _save_outputs(outputs)
