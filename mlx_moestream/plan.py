@@ -63,6 +63,10 @@ class ModelPlan:
 
     def __post_init__(self):
         self.num_layers = len(self.layers)
+        fewest = min((l.total_experts or l.num_experts for l in self.layers), default=self.top_k)
+        if self.top_k > fewest:  # else the router's top-k fails at the first token
+            raise ValueError(f"model_type '{self.model_type}': config.json routes each token to "
+                             f"{self.top_k} experts (top-k) but a layer has only {fewest}")
 
     @property
     def num_experts(self) -> int:
@@ -167,6 +171,16 @@ def read_config(model_dir: Path) -> dict:
     if eos := generation.get("eos_token_id"):
         config["eos_token_id"] = eos
     return config
+
+
+def check_layer_count(config: dict, tensors: int) -> None:
+    """Refuse more layers in config.json than the checkpoint has tensors (a layer has at least
+    one): mlx-lm and transformers would build every layer, gigabytes, before failing."""
+    for source in (config, config.get("text_config")):
+        layers = source.get("num_hidden_layers") if isinstance(source, dict) else None
+        if isinstance(layers, int) and layers > tensors:
+            raise ValueError(f"config.json has num_hidden_layers = {layers} but the checkpoint "
+                             f"holds {tensors} tensors (a layer has at least one)")
 
 
 def config_hash(config: dict) -> str:

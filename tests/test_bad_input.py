@@ -131,6 +131,46 @@ def test_a_config_with_no_experts_per_token_is_refused(model_copy, top_k):
         mlx_moestream.load(path)
 
 
+def _set_config(path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize("top_k", [2.5, "2"])
+def test_a_top_k_that_is_not_a_whole_number_is_one_line_naming_it(model_copy, top_k):
+    path = model_copy()
+    _set_config(path, num_experts_per_tok=top_k)
+    out = run_cli("inspect", "-m", path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"Error: {path}: mlx-lm cannot load this model: ")
+    assert f"Field 'num_experts_per_tok' expected int, got {type(top_k).__name__}" in out.stderr
+
+
+def test_a_top_k_above_the_experts_of_a_layer_is_refused_at_load_naming_both(model_copy):
+    path = model_copy()
+    _set_config(path, num_experts_per_tok=9)
+    with pytest.raises(ModelError, match=r"copy: model_type 'qwen3_moe': config.json routes each "
+                                         r"token to 9 experts \(top-k\) but a layer has only 8$"):
+        mlx_moestream.load(path)
+
+
+def test_more_layers_than_the_checkpoint_has_tensors_are_refused_before_building_them(
+        model_copy):
+    """mlx-lm would build a billion layers (gigabytes) first: a data limit makes a regression
+    fail instead of filling the memory."""
+    import resource
+
+    path = model_copy()
+    _set_config(path, num_hidden_layers=10**9)
+    limit = (2**31, 2**31)
+    out = subprocess.run([sys.executable, "-m", "mlx_moestream", "inspect", "-m", str(path)],
+                         capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, limit))
+    assert out.returncode == 1
+    assert out.stderr == (f"Error: {path}: config.json has num_hidden_layers = 1000000000 but the "
+                          f"checkpoint holds 27 tensors (a layer has at least one)\n")
+
+
 @pytest.mark.parametrize("config, problem", [
     ({"model_type": "qwen3_moe"}, "required positional arguments: 'hidden_size'"),
     (["qwen3_moe"], "'list' object has no attribute 'get'"),

@@ -520,6 +520,16 @@ def test_a_config_transformers_cannot_read_is_a_one_line_error(hf_model, tmp_pat
     assert problem in out.stderr
 
 
+def test_a_top_k_above_the_experts_of_a_layer_is_refused_at_load_naming_both(hf_model, tmp_path):
+    path = shutil.copytree(hf_model("qwen3_moe"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 99}))
+    with pytest.raises(ModelError, match=r"m: model_type 'qwen3_moe': config.json routes each "
+                                         r"token to 99 experts \(top-k\) but a layer has only "
+                                         r"8$"):
+        moestream_torch.load(path)
+
+
 def test_inspect_for_the_torch_backend_states_the_minimum_its_load_takes(hf_model):
     """The torch backend computes a layer's call at once: its minimum holds a whole layer's
     experts, not one token's top-k (what the MLX backend needs)."""

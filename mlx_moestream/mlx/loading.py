@@ -12,14 +12,16 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+from huggingface_hub.errors import StrictDataclassError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..budget import available_memory_bytes
 from ..errors import ModelError
+from ..files import read_json
 from ..hub import check_tokenizer, resolve_model_path
 from ..pipeline import Opened, load_streamed
-from ..plan import ModelPlan
+from ..plan import ModelPlan, check_layer_count
 from ..policies import DEFAULT_POLICY
 from ..profiles import Profile
 from ..runtime import Runtime, check_options, check_tokens
@@ -49,12 +51,19 @@ def load_lazy(path: Path, drop_page_cache: bool = True, repacked: bool | None = 
     """Index the files, then build the model without reading any weight (`repacked`: see
     `ExpertStore`)."""
     store = ExpertStore(path, drop_page_cache, repacked)
+    config = read_json(path / "config.json", "unreadable config", ModelError)
+    if isinstance(config, dict):  # (else mlx-lm says what is wrong)
+        try:
+            check_layer_count(config, len(store.tensors))
+        except ValueError as e:
+            raise ModelError(f"{path}: {e}") from None
     try:
         model, tokenizer, config = mlx_lm_load(str(path), lazy=True, return_config=True)
     except (ValueError, KeyError, TypeError, AttributeError, FileNotFoundError,
-            RuntimeError) as e:
+            RuntimeError, StrictDataclassError) as e:
         # TypeError / AttributeError: a config.json lacking fields or not an object;
-        # RuntimeError: MLX's, of a tensor in a dtype it cannot load (F64, F8_E5M2)
+        # RuntimeError: MLX's, of a tensor in a dtype it cannot load (F64, F8_E5M2);
+        # StrictDataclassError: transformers', of a field of the wrong type (a top-k of 2.5)
         raise _cannot_load(path, e) from None
     try:
         plan = plan_model(model, config)

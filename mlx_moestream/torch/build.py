@@ -22,7 +22,8 @@ from transformers import initialization as init
 
 from ..errors import ModelError, StoreError
 from ..files import read_json
-from ..plan import ExpertLayer, ModelPlan, config_hash, path_key, read_config, top_k_of
+from ..plan import (ExpertLayer, ModelPlan, check_layer_count, config_hash, path_key, read_config,
+                    top_k_of)
 from ..store import ExpertStore
 from .layout import DTYPES, _Experts, _expert_params, _row_offset
 
@@ -36,6 +37,10 @@ def _build(path: Path, drop_page_cache: bool, experts_implementation: str | None
     except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:
         # StrictDataclassError: a field of the wrong type (transformers 5 checks them)
         raise ModelError(f"{path}: transformers cannot read its config.json: {e}") from None
+    try:
+        check_layer_count(read_config(path), len(store.tensors))
+    except ValueError as e:
+        raise ModelError(f"{path}: {e}") from None
     if experts_implementation:
         config._experts_implementation = experts_implementation
     _refuse_quantized(path, config)
@@ -332,7 +337,10 @@ def _plan(path: Path, config, store: ExpertStore, experts: list[_Experts], modul
                    for name, p in _expert_params(module)) if rows else 0
         layers.append(ExpertLayer(e.path, num, specs, held_bytes=held))
     raw = read_config(path)
-    return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
+    try:
+        return ModelPlan(config.model_type, top_k_of(raw), layers, dense_bytes, config_hash(raw))
+    except ValueError as e:
+        raise ModelError(f"{path}: {e}") from None
 
 
 def _pages_touched(row_bytes: int, offset: int) -> int:
