@@ -12,6 +12,7 @@ import json
 import os
 import re
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -339,7 +340,9 @@ class Checkpoint:
 
     def _per_expert(self, keys: list[str], name: str, shape: tuple[int, ...],
                     nbytes: int) -> ExpertTensor:
-        """The experts' own tensors `keys`, each checked to hold what the model reads."""
+        """The experts' own tensors `keys`, each checked to hold what the model reads. A
+        tensor in another dtype than most (the model stacks them in a third, wider one) is
+        named before any is compared with the model's size."""
         infos = []
         for key in keys:
             info = self.tensors.get(key)
@@ -350,12 +353,15 @@ class Checkpoint:
                     f"{self.files[info.file]}: tensor '{key}' has shape {list(info.shape)}, "
                     f"expected {list(shape)}"
                 )
-            first = infos[0] if infos else info
-            if info.dtype != first.dtype:  # misread
+            infos.append(info)
+        common = Counter(info.dtype for info in infos).most_common(1)[0][0]
+        for key, info in zip(keys, infos):
+            if info.dtype != common:  # misread
                 raise StoreError(
-                    f"{self.files[info.file]}: tensor '{key}' is {info.dtype} where the first "
-                    f"expert's is {first.dtype}: convert the experts to one dtype"
+                    f"{self.files[info.file]}: tensor '{key}' is {info.dtype} where the other "
+                    f"experts' are {common}: convert the experts to one dtype"
                 )
+        for key, info in zip(keys, infos):
             if info.nbytes != nbytes:  # read past it
                 raise StoreError(
                     f"{self.files[info.file]}: tensor '{key}' is {info.dtype} ({info.nbytes} "
@@ -363,7 +369,6 @@ class Checkpoint:
                     f"the experts at load (FP8 ones to bfloat16), which the store does not: "
                     f"stream a checkpoint converted by mlx_lm.convert"
                 )
-            infos.append(info)
         files = np.array([i.file for i in infos])
         offsets = np.array([i.offset for i in infos], dtype=np.int64)
         return ExpertTensor(name, files, offsets, nbytes)

@@ -226,6 +226,22 @@ def test_an_expert_stored_in_another_dtype_is_refused_naming_it(model_copy):
         mlx_moestream.load(path, budget="50%")
 
 
+def test_a_float16_expert_among_bfloat16_ones_is_refused_naming_it_and_both_dtypes(model_copy):
+    """The model stacks the experts in float32 (bfloat16 and float16 promote to it): the
+    odd tensor is named, not the first one that differs from the model's size."""
+    import mlx.core as mx
+
+    path = model_copy("mixtral", layout="per_expert")
+    shard = path / "model.safetensors"
+    tensors = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(shard)).items()}
+    name = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    tensors[name] = tensors[name].astype(mx.float16)
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "mlx"})
+    with pytest.raises(StoreError, match=re.escape(f"tensor '{name}' is F16 where the other "
+                                                   "experts' are BF16")):
+        mlx_moestream.load(path, budget="50%")
+
+
 def test_unknown_architecture_is_named(model_copy):
     path = model_copy()
     config = json.loads((path / "config.json").read_text())
