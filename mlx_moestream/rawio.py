@@ -64,6 +64,7 @@ class FileReader:
         # pages read are dropped by posix_fadvise (Linux; macOS reads them uncached)
         self.drops = drop_page_cache and hasattr(os, "posix_fadvise")
         self.fds: list[int] | None = None
+        self.links: list[int] = []  # each open file's hard links (`_relinked`)
         self.direct: int | None = None  # the repacked copy opened with O_DIRECT, when it can be
         self._closer: weakref.finalize | None = None  # closes what `open` opened
         self._bounce = threading.local()  # each reader thread's page-aligned buffer
@@ -107,6 +108,7 @@ class FileReader:
                     os.close(fds.pop())
                 direct = None
         self.fds, self.direct, self._closer = fds[: len(self.files)], direct, closer
+        self.links = [os.fstat(fd).st_nlink for fd in self.fds]
 
     def close(self) -> None:
         """Drop what reads left cached, and close the files."""
@@ -155,13 +157,27 @@ class FileReader:
             if n:
                 bufs = [bufs[0][n:], *bufs[1:]]
         stat = os.fstat(fd)  # after the read: an in-place rewrite before or during it shows
-        if file_identity(stat) != self.identity[file]:
+        if file_identity(stat) != self.identity[file] and not self._relinked(file, stat):
             what = where if isinstance(where, str) else where(offset)
             raise StoreError(
                 f"{self.files[file]}: changed on disk since the model was loaded (size, "
                 f"modification or status change time), so {what} cannot be trusted: load the "
                 f"model again"
             )
+
+    def _relinked(self, file: int, stat: os.stat_result) -> bool:
+        """Whether only the links of the open file changed since it was last checked: a rename
+        over it, its removal or a new hard link move its status change time with its link
+        count, and leave the bytes its descriptor reads alone. Its new time and count are
+        taken as its own from then on, so that a later write with the modification time set
+        back still shows."""
+        size, mtime_ns, _ = self.identity[file]
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+            return False
+        if stat.st_nlink == self.links[file]:  # a chmod, or a write with its time set back
+            return False
+        self.identity[file], self.links[file] = file_identity(stat), stat.st_nlink
+        return True
 
     @contextmanager
     def reading(self, ranges: list[tuple[int, int, int]]) -> Iterator[None]:

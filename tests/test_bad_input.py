@@ -448,24 +448,70 @@ def test_a_shard_rewritten_in_place_mid_session_fails_every_later_read(model_cop
     assert model.moestream.slot_map(1)[7] == -1
 
 
-def test_a_shard_rewritten_in_place_with_its_modification_time_set_back_fails_reads(model_copy):
-    """What `cp -p` or `rsync -t --inplace` of a same-size checkpoint does: same size, same
-    modification time, other bytes. Its status change time tells."""
-    import os
-
-    import mlx.core as mx
-
-    path = model_copy()
-    model, _ = mlx_moestream.load(path, budget="50%")
-    shard = path / "model.safetensors"
+def _rewrite_in_place(model, shard) -> None:
+    """Zero the start of layer 1 expert 7's last tensor in place, the modification time set
+    back (`cp -p`, `rsync -t --inplace`)."""
     stat = shard.stat()
     offset = int(model.moestream.store.layers[1][-1].offsets[7])
     with open(shard, "r+b") as f:
         f.seek(offset)
         f.write(bytes(64))
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_shard_rewritten_in_place_with_its_modification_time_set_back_fails_reads(model_copy):
+    """What `cp -p` or `rsync -t --inplace` of a same-size checkpoint does: same size, same
+    modification time, other bytes. Its status change time tells."""
+    import mlx.core as mx
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget="50%")
+    _rewrite_in_place(model, path / "model.safetensors")
     with pytest.raises(StoreError, match="changed on disk .* layer 1 expert 7"):
         mx.eval(model.model.layers[1].mlp.switch_mlp(mx.ones((1, 1, 64)), mx.array([[[7, 7]]])))
+
+
+def _loads(model) -> int:
+    return sum(layer["loads"] for layer in mlx_moestream.stats(model)["layers"])
+
+
+def test_a_shard_replaced_by_a_rename_is_still_read_from_the_open_file(model_copy):
+    """The open descriptor still reads the old bytes: a rename over the shard (identical
+    bytes or not) changes nothing the session reads."""
+    import mlx.core as mx
+
+    from mlx_moestream.testing import PROMPT_IDS
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget="50%")
+    prompt = mx.array(PROMPT_IDS)
+    expected = model(prompt)
+    mx.eval(expected)
+    shard = path / "model.safetensors"
+    (path / "new.tmp").write_bytes(shard.read_bytes())
+    os.replace(path / "new.tmp", shard)
+    loads = _loads(model)
+    assert mx.array_equal(model(prompt), expected).item()
+    assert _loads(model) > loads
+
+
+def test_a_new_hard_link_of_a_shard_is_harmless_and_a_later_write_still_fails_reads(
+        model_copy):
+    """A link moves the status change time as a write does, with the link count: once taken
+    as the file's, a write after it with the modification time set back still shows."""
+    import mlx.core as mx
+
+    path = model_copy()
+    model, _ = mlx_moestream.load(path, budget="50%")
+    experts = model.model.layers[1].mlp.switch_mlp
+    shard = path / "model.safetensors"
+    os.link(shard, path / "linked.bin")
+    x = mx.ones((1, 1, 64))
+    assert model.moestream.slot_map(1)[6] == -1  # read now
+    mx.eval(experts(x, mx.array([[[6, 6]]])))
+    _rewrite_in_place(model, shard)
+    with pytest.raises(StoreError, match="changed on disk .* layer 1 expert 7"):
+        mx.eval(experts(x, mx.array([[[7, 7]]])))
 
 
 def test_a_read_failing_in_a_prompt_fails_it_once_every_read_has_ended_and_the_next_is_exact(
