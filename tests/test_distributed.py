@@ -88,6 +88,21 @@ def test_a_lost_host_ends_the_others_with_a_clear_error(tiny_model, mode, messag
     assert time.monotonic() - start < 60
 
 
+def test_the_error_of_an_exchange_with_no_answer_starts_a_line_of_its_own():
+    """Printed from the watchdog's thread while host 0 streams an answer to the terminal."""
+    code = ("import sys, time\n"
+            "from mlx_moestream.mlx.hosts import Watchdog\n"
+            "watchdog = Watchdog(0.5)\n"
+            "print('Ciao, come', end='', flush=True)\n"
+            "with watchdog:\n"
+            "    time.sleep(30)\n")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stdout == ("Ciao, come\nError: no answer from the other hosts for 0.5 s: a host "
+                          "has stopped or cannot be reached\n")
+
+
 def load_on_hosts(path0, budget0, path1, budget1) -> list[str]:
     """Each host's line from `distributed_load.py`, in host order."""
     out = launch(Path(__file__).with_name("distributed_load.py"), path0, budget0, path1, budget1,

@@ -141,8 +141,9 @@ def _signs(width: int) -> mx.array:
 def end_host(message: str) -> None:
     """End this host's process at once with a one-line error: the other hosts, left waiting
     in an exchange, then end as on a lost host. (No cleanup runs: a thread may be blocked in
-    the exchange, which nothing else can end.)"""
-    print(f"Error: {message}", file=sys.stderr, flush=True)
+    the exchange, which nothing else can end.) The error starts a line of its own: the
+    answer streaming or the prompt it cuts short has no end of line yet."""
+    print(f"\nError: {message}", file=sys.stderr, flush=True)
     os._exit(1)
 
 
