@@ -578,3 +578,55 @@ def test_a_repack_manifest_that_is_a_named_pipe_is_ignored_with_a_warning(model_
     assert out.returncode == 0, out.stderr
     assert re.search(r"^Warning: ignoring the repacked experts: .*manifest\.json: unreadable "
                      r"repack manifest \(not a regular file\)$", out.stderr, re.M), out.stderr
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000  # past Python's recursion limit
+
+
+def _nest(path, where: str) -> None:
+    """Make `where` (the shard's header, the shard index, or a repack manifest) JSON nested
+    100k levels deep."""
+    if where == "model.safetensors":
+        shard = path / where
+        data = shard.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        shard.write_bytes(struct.pack("<Q", len(NESTED)) + NESTED + data[8 + n:])
+    else:
+        (path / where).parent.mkdir(exist_ok=True)
+        (path / where).write_bytes(NESTED)
+
+
+@pytest.mark.parametrize("where, problem", [
+    ("model.safetensors", "corrupt safetensors header JSON"),
+    ("model.safetensors.index.json", "corrupt shard index"),
+])
+@pytest.mark.parametrize("command", [["inspect"], ["chat", "--prompt", "hi", "-n", "1"]])
+def test_json_nested_too_deeply_is_one_line_naming_the_file(model_copy, where, problem,
+                                                            command):
+    path = model_copy()
+    _nest(path, where)
+    out = run_cli(*command, "-m", path)
+    assert out.returncode == 1
+    assert out.stderr == f"Error: {path / where}: {problem} (JSON nested too deeply)\n"
+
+
+def test_a_repack_manifest_nested_too_deeply_is_ignored_with_a_warning(model_copy):
+    """As any bad copy: the model loads from its own files."""
+    path = model_copy()
+    _nest(path, "moestream-experts/manifest.json")
+    out = run_cli("chat", "-m", path, "--prompt", "hi", "-n", "1")
+    assert out.returncode == 0, out.stderr
+    assert (f"Warning: ignoring the repacked experts: {path}/moestream-experts/manifest.json: "
+            "unreadable repack manifest (JSON nested too deeply)\n") in out.stderr
+
+
+@pytest.mark.parametrize("verify, message", [
+    ([], "refusing to replace {folder}/manifest.json: it is not a repack manifest"),
+    (["--verify"], "{folder}/manifest.json: unreadable repack manifest (JSON nested too deeply)"),
+])
+def test_repack_over_a_manifest_nested_too_deeply_is_one_line(model_copy, verify, message):
+    path = model_copy()
+    _nest(path, "moestream-experts/manifest.json")
+    out = run_cli("repack", "-m", path, *verify)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert message.format(folder=path / "moestream-experts") in out.stderr.splitlines()[0]
