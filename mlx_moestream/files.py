@@ -4,6 +4,7 @@ ends), and profiles, traces, manifests and reports are never left half-written."
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -28,9 +29,11 @@ def open_regular(path: str | os.PathLike, problem: str, error: type[ValueError] 
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise error(f"{path}: {problem} ({e.strerror or e})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise error(f"{path}: {problem} (not a regular file)")
+        why = os.strerror(errno.EISDIR) if stat.S_ISDIR(mode) else "not a regular file"
+        raise error(f"{path}: {problem} ({why})")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
