@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import numpy as np
+
+READ_SECONDS_BOUNDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+STALL_SECONDS_BOUNDS = (0.0, 1e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
+
+class Histogram:
+    """Observations counted per bucket of upper bounds `bounds` (the last bucket has none),
+    with their sum: what a Prometheus histogram reports."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+
+    def as_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
 
 
 class Stats:
@@ -37,6 +59,9 @@ class Stats:
         self.prefetch_loads = np.zeros(n, np.int64)
         self.prefetch_used = np.zeros(n, np.int64)
         self.read_errors = 0  # expert reads that failed, each once (a call may fail several)
+        self.read_latency = Histogram(READ_SECONDS_BOUNDS)  # seconds per read
+        self.stall_per_token = Histogram(STALL_SECONDS_BOUNDS)  # each token's share of its call's
+        self._stall_mark = (0.0, 0)  # stall seconds so far, tokens of the call since
         # Tokens routed to each expert, raw and halved every `half_life_tokens`: what a profile saves.
         self.activations = np.zeros((n, num_experts), np.int64)
         self.decayed = np.zeros((n, num_experts), np.float64)
@@ -56,6 +81,7 @@ class Stats:
         self.read_seconds[layer] += seconds
         self.bytes_read[layer] += nbytes
         self.loads[layer] += experts
+        self.read_latency.observe(seconds)
 
     def count_request(self, layer: int, hits: int, misses: int) -> None:
         """Count one call's accesses."""
@@ -81,7 +107,14 @@ class Stats:
             decayed[i] += 1.0
 
     def tick(self, tokens: int) -> None:
-        """Called before `tokens` new tokens are processed: close a finished window, decay, count."""
+        """Called before `tokens` new tokens are processed: close a finished window, decay, count,
+        and count the previous call's stall per token."""
+        stalled, last_tokens = self._stall_mark
+        if last_tokens:
+            now = float(self.stall_seconds.sum())
+            self.stall_per_token.observe((now - stalled) / last_tokens, last_tokens)
+            stalled = now
+        self._stall_mark = (stalled, tokens)
         window = self._full_window()
         if window is not None:
             self.windows.append(window)
@@ -148,6 +181,8 @@ class Stats:
             "prediction_precision": ratio(self.predicted_routed.sum(), self.predicted.sum()),
             "prediction_recall": ratio(self.predicted_routed.sum(), self.routed_scored.sum()),
             "read_errors": self.read_errors,
+            "read_seconds_histogram": self.read_latency.as_dict(),
+            "stall_seconds_per_token_histogram": self.stall_per_token.as_dict(),
             "hit_rate_windows": self.windows + ([full] if full else []),
             "layers": [self.layer(i) for i in range(len(self.layer_names))],
         }

@@ -14,8 +14,12 @@ import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -73,18 +77,30 @@ def ci_command() -> str:
 
 class Shell:
     """One section's folder and environment: profiles saved by name land in the folder, no
-    download is attempted, and hub ids are replaced by tiny local models."""
+    download is attempted, hub ids are replaced by tiny local models, and the README's port
+    8080 by a free one; commands started in the background end with the section."""
 
     def __init__(self, cwd: Path, tiny_model):
         self.cwd, self.tiny_model = cwd, tiny_model
         self.env = {**os.environ, "MLX_MOESTREAM_PROFILES": str(cwd), "HF_HUB_OFFLINE": "1"}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = str(s.getsockname()[1])
+        self.background: list[subprocess.Popen] = []
 
     def local(self, text: str) -> str:
         for hub_id in HUB_ID.findall(text):
             assert hub_id in HUB_MODELS, f"{hub_id}: add a tiny stand-in to HUB_MODELS"
             arch, kwargs = HUB_MODELS[hub_id]
             text = text.replace(hub_id, str(self.tiny_model(arch, **kwargs)))
-        return text
+        return re.sub(r"(127\.0\.0\.1:|--port )8080\b", rf"\g<1>{self.port}", text)
+
+    def stop(self) -> None:
+        """End the background commands as Ctrl-C would, each saying it saved what it writes."""
+        for process in self.background:
+            process.send_signal(signal.SIGINT)
+            out, err = process.communicate(timeout=60)
+            assert "Traceback" not in err, err[-3000:]
 
     def run(self, argv: list, stdin: str | None = None) -> subprocess.CompletedProcess:
         done = subprocess.run([str(a) for a in argv], cwd=self.cwd, env=self.env, input=stdin,
@@ -153,6 +169,24 @@ def run_launch(shell: Shell, part: str) -> None:
     assert done.stdout.count("generated at") == 1 and "all 2 hosts" in done.stdout
 
 
+def run_server(shell: Shell, part: str) -> None:
+    """`mlx-moestream serve ARGS &`: started in the background, until it answers at its port."""
+    assert part.endswith(" &"), f"{part!r}: a server runs in the background (&)"
+    args = shlex.split(shell.local(part.removesuffix("&")))[1:]
+    process = subprocess.Popen([sys.executable, "-m", "mlx_moestream.cli", *args], cwd=shell.cwd,
+                               env=shell.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    shell.background.append(process)
+    for _ in range(TIMEOUT * 10):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{shell.port}/v1/models", timeout=5)
+            return
+        except OSError:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.1)
+    raise AssertionError(f"{part!r} never answered")
+
+
 def run_python_c(shell: Shell, part: str) -> None:
     _, flag, code = shlex.split(shell.local(part))
     assert flag == "-c"
@@ -174,6 +208,7 @@ HANDLERS = [
     (". .venv/bin/activate", check_install),
     ("pip install ", check_install),
     ("python -m pytest", check_test_command),
+    ("mlx-moestream serve ", run_server),
     ("mlx-moestream ", run_cli),
     ("mlx.launch ", run_launch),
     ("python -c ", run_python_c),
@@ -219,14 +254,17 @@ RUNNABLE = [(heading or "top", blocks) for heading, blocks in sections(README) i
 @pytest.mark.parametrize("heading, blocks", RUNNABLE, ids=[anchor(h) for h, _ in RUNNABLE])
 def test_the_readme_section_runs_as_written(heading, blocks, tiny_model, tmp_path):
     shell = Shell(tmp_path, tiny_model)
-    for lang, body in blocks:
-        if lang == "python":
-            needs_torch(body)
-            shell.run([sys.executable, "-c", shell.local(body)])
-            continue
-        for line in body.splitlines():
-            for part in filter(None, (p.strip() for p in line.split(" && "))):
-                handler(part)(shell, part)
+    try:
+        for lang, body in blocks:
+            if lang == "python":
+                needs_torch(body)
+                shell.run([sys.executable, "-c", shell.local(body)])
+                continue
+            for line in body.splitlines():
+                for part in filter(None, (p.strip() for p in line.split(" && "))):
+                    handler(part)(shell, part)
+    finally:
+        shell.stop()
     if heading == "Python API":
         assert (tmp_path / "my-workload.json").exists()
 

@@ -12,7 +12,7 @@ import warnings
 
 import click
 
-from . import chat, inspect, profile, repack, replay
+from . import chat, inspect, profile, repack, replay, serve, top
 from .app import Commands, Interrupted, one_line_warning
 from .stats_view import format_stats
 
@@ -26,7 +26,8 @@ def main() -> None:
     warnings.formatwarning = one_line_warning
 
 
-for command in (chat.chat, inspect.inspect, replay.replay, profile.profile, repack.repack):
+for command in (chat.chat, inspect.inspect, replay.replay, profile.profile, repack.repack,
+                serve.serve, top.top):
     main.add_command(command)
 
 
