@@ -227,7 +227,8 @@ def test_the_backend_neutral_core_imports_with_mlx_and_torch_blocked():
     code = ("import sys\n"
             "for name in ('mlx', 'mlx_lm', 'torch', 'transformers'): sys.modules[name] = None\n"
             "import mlx_moestream.budget, mlx_moestream.cache, mlx_moestream.plan, "
-            "mlx_moestream.policies, mlx_moestream.prefetch, mlx_moestream.profiles, "
+            "mlx_moestream.metrics, mlx_moestream.policies, mlx_moestream.prefetch, "
+            "mlx_moestream.profiles, "
             "mlx_moestream.repack, mlx_moestream.replay, mlx_moestream.runtime, "
             "mlx_moestream.stats, mlx_moestream.store, mlx_moestream.trace")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -234,6 +234,14 @@ def test_top_once_shows_the_cache(ours):
     assert "hit rate" in shown.stdout and "layer" in shown.stdout
 
 
+def test_a_model_that_cannot_load_is_a_one_line_error(tmp_path):
+    done = subprocess.run(serve_command("--model", str(tmp_path / "missing")), env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"Error: no such directory: {tmp_path / 'missing'} (a Hugging " \
+                                  "Face repo id is NAME or OWNER/NAME)"
+
+
 def test_sigterm_saves_the_profile(tmp_path):
     server = Server(serve_command("--budget", "30%", "--profile", "save", "server-run.json"),
                     tmp_path / "log")

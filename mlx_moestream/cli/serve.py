@@ -90,10 +90,15 @@ def serve(model, budget, policy, profiles, save_every, prefetch, host, port, max
     except (ValueError, OSError, RuntimeError) as e:
         fail(e)
     provider = generator.model_provider
-    provider.ready.wait()
+    try:
+        provider.ready.wait()
+    except KeyboardInterrupt:  # the generator's thread ends once the load has
+        provider.failure = KeyboardInterrupt()
     if provider.failure is not None:
         server.server_close()
         generator.stop_and_join()
+        if isinstance(provider.failure, KeyboardInterrupt):
+            raise provider.failure
         fail(provider.failure)
 
     def save(final: bool) -> None:
