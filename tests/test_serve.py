@@ -277,3 +277,20 @@ def test_profile_is_saved_while_serving_every_save_every_minutes(tmp_path):
         assert json.loads(saved.read_text())["tokens"] > 0
     finally:
         server.stop()
+
+
+def test_a_chat_template_given_answers_as_stock_given_it(tmp_path, stock):
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    port = free_port()
+    stock_templated = Server([sys.executable, "-m", "mlx_lm", "server", "--model",
+                              str(EMBEDDED_MODEL), "--port", str(port), "--chat-template",
+                              template], tmp_path / "stock", port)
+    ours_templated = Server(serve_command("--budget", "30%", "--chat-template", template),
+                            tmp_path / "ours")
+    try:
+        answer = chat(ours_templated, PROMPTS[0])
+        assert answer == chat(stock_templated, PROMPTS[0])
+        assert answer != chat(stock, PROMPTS[0])  # the template changed the prompt
+    finally:
+        stock_templated.stop()
+        ours_templated.stop()

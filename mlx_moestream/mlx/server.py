@@ -19,8 +19,10 @@ from typing import Callable
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_system_fingerprint
 from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_tokenizer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
+from ..hub import resolve_model_path
 from ..metrics import CacheCollector
 from ..session import stats
 from .loading import load
@@ -73,8 +75,9 @@ class StreamedModelProvider(ModelProvider):
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         model, tokenizer = load(model_path, **self.load_options)
-        if self.cli_args.chat_template:
-            tokenizer.chat_template = self.cli_args.chat_template
+        if self.cli_args.chat_template:  # read again as stock reads it: its tool parser follows
+            tokenizer = load_tokenizer(resolve_model_path(model_path), self._tokenizer_config,
+                                       eos_token_ids=tokenizer.eos_token_ids)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         draft_model = None
