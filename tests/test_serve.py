@@ -264,6 +264,20 @@ def test_a_loaded_profile_prewarms_and_answers_as_stock(tmp_path, stock):
         server.stop()
 
 
+def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
+    server = Server(serve_command("--budget", "30%"), tmp_path / "log")
+    chunks = server.client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": PROMPTS[3]}],
+        max_tokens=120, temperature=0, stream=True, logit_bias={"0": -100, "2": -100})
+    stream = iter(chunks)
+    next(stream)
+    server.process.send_signal(signal.SIGTERM)
+    reasons = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert reasons[-1] == "length"
+    assert server.process.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "Traceback" not in server.log.read_text()
+
+
 def test_profile_is_saved_while_serving_every_save_every_minutes(tmp_path):
     server = Server(serve_command("--budget", "30%", "--profile", "save", "periodic.json",
                                   "--save-every", "0.01"), tmp_path / "log")

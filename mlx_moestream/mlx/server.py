@@ -28,6 +28,29 @@ from ..session import stats
 from .loading import load
 
 DEFAULT_MODEL = "default_model"
+GRACE_SECONDS = 30.0  # at the end, how long requests in flight may take to finish
+
+
+class InFlight:
+    """Counts the completion requests being answered, so that the end can wait for them."""
+
+    def __init__(self):
+        self.count = 0
+        self.changed = threading.Condition()
+
+    def __enter__(self) -> None:
+        with self.changed:
+            self.count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.changed:
+            self.count -= 1
+            self.changed.notify_all()
+
+    def wait_done(self, seconds: float) -> bool:
+        """Wait until none is in flight, at most `seconds`; whether none is."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.count == 0, seconds)
 
 
 class ModelNotServed(ValueError):
@@ -149,7 +172,8 @@ class StreamedHandler(APIHandler):
         except ModelNotServed as e:
             self._error(404, str(e))
             return
-        return super().handle_completion(request, stop_words)
+        with self.server.in_flight:
+            return super().handle_completion(request, stop_words)
 
     def _reply(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)
@@ -175,6 +199,7 @@ def make_server(cli_args: argparse.Namespace, load_options: dict
                                                   flags=socket.AI_PASSIVE)[0]
     server_class = type("Server", (ThreadingHTTPServer,), {"address_family": family})
     server = server_class(address, APIHandler)  # bound first: a port in use loads nothing
+    server.in_flight = InFlight()
     provider = StreamedModelProvider(cli_args, load_options)
     generator = StreamedResponseGenerator(provider,
                                           LRUPromptCache(cli_args.prompt_cache_size))
@@ -192,8 +217,9 @@ def make_server(cli_args: argparse.Namespace, load_options: dict
 
 def serve(server: ThreadingHTTPServer, generator: ResponseGenerator,
           every: tuple[float, Callable[[], None]] | None = None) -> None:
-    """Serve until an exception (KeyboardInterrupt, a signal's) ends it, then close the socket
-    and stop the generator: requests in flight end with an error.
+    """Serve until an exception (KeyboardInterrupt, a signal's) ends it, then close the socket,
+    let the requests in flight finish (for `GRACE_SECONDS` at most: those left are cut off,
+    as is every one at a second signal) and stop the generator.
 
     `every` = (seconds, call): `call` runs on its own thread every `seconds` meanwhile.
     """
@@ -206,7 +232,10 @@ def serve(server: ThreadingHTTPServer, generator: ResponseGenerator,
     finally:
         stopped.set()
         server.server_close()
-        generator.stop_and_join()
+        try:
+            server.in_flight.wait_done(GRACE_SECONDS)
+        finally:
+            generator.stop_and_join()
 
 
 def _repeat(stopped: threading.Event, seconds: float, call: Callable[[], None]) -> None:
