@@ -91,3 +91,16 @@ def test_state_shows_what_a_call_made_resident_and_stays_a_snapshot(tiny_model):
     assert after.held_policy_updates > 0  # the call's uses, learnt at the next tally
     assert len(after.free_slots[0]) == len(before.free_slots[0]) - 2
     assert after.pinned == (frozenset(), frozenset())
+
+
+def test_stall_per_token_counts_each_token_of_a_call_once():
+    from mlx_moestream.stats import Stats
+
+    stats = Stats(["a", "b"], 4)
+    stats.tick(3)
+    stats.stall_seconds[1] += 0.006  # the 3-token call waited 6 ms: 2 ms a token
+    stats.tick(1)
+    histogram = stats.as_dict()["stall_seconds_per_token_histogram"]
+    bucket = histogram["bounds"].index(0.0025)  # the first bound at or above 2 ms
+    assert histogram["counts"][bucket] == 3 and sum(histogram["counts"]) == 3
+    assert abs(histogram["sum"] - 0.006) < 1e-12

@@ -242,6 +242,13 @@ def test_a_model_that_cannot_load_is_a_one_line_error(tmp_path):
                                   "Face repo id is NAME or OWNER/NAME)"
 
 
+def test_save_every_without_a_profile_to_save_is_refused():
+    done = subprocess.run(serve_command("--save-every", "5"), env=ENV, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert "Error: --save-every needs --profile save NAME" in done.stderr
+
+
 def test_sigterm_saves_the_profile(tmp_path):
     server = Server(serve_command("--budget", "30%", "--profile", "save", "server-run.json"),
                     tmp_path / "log")

@@ -29,8 +29,8 @@ from .chat import LIVE_POLICIES
               metavar="save|load NAME",
               help="load NAME: pre-warm from a saved profile at start; save NAME: save the "
                    "server's profile at exit and every --save-every minutes.")
-@click.option("--save-every", type=click.FloatRange(min=0, min_open=True), default=10.0,
-              show_default=True, help="Minutes between saves of --profile save.")
+@click.option("--save-every", type=click.FloatRange(min=0, min_open=True),
+              help="Minutes between saves of --profile save.  [default: 10]")
 @click.option("--prefetch", is_flag=True,
               help="Predict each next layer's experts and read them during compute.")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -66,6 +66,8 @@ def serve(model, budget, policy, profiles, save_every, prefetch, host, port, max
     to_save = [name for action, name in profiles if action == "save"]
     if len(to_load) > 1 or len(to_save) > 1:
         raise click.UsageError("--profile load and --profile save may each be given once")
+    if save_every is not None and not to_save:  # else silently without effect
+        raise click.UsageError("--save-every needs --profile save NAME")
     try:
         template_args = json.loads(chat_template_args)
     except json.JSONDecodeError as e:
@@ -119,7 +121,7 @@ def serve(model, budget, policy, profiles, save_every, prefetch, host, port, max
     with terminate_as_interrupt() as ending:
         try:
             serve_forever(server, generator,
-                          (save_every * 60, lambda: save(False)) if target else None)
+                          ((save_every or 10.0) * 60, lambda: save(False)) if target else None)
         except KeyboardInterrupt:
             stopped_by = signal.SIGINT
         except Terminated as e:
