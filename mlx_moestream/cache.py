@@ -236,10 +236,6 @@ class ExpertCache:
     def pinned_in(self, layer: int) -> int:
         return int(self.pinned_count[layer])
 
-    def resident_experts(self, layer: int) -> list[int]:
-        """The experts of `layer` holding a slot, in order."""
-        return np.flatnonzero(self.slot_of[layer] >= 0).tolist()
-
     def discard(self, layer: int, expert: int) -> bool:
         """Forget a resident expert whose load failed, so its slot is never read as valid;
         whether it was resident (a load may be finished twice, after an interrupt). A pinned

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 
-from .session import stats
+from .session import runtime_of, stats
 
 # (metric name without _total, the per-layer key of `session.stats`, help)
 LAYER_COUNTERS = (
@@ -21,6 +21,18 @@ LAYER_COUNTERS = (
     ("moestream_evictions", "evictions", "Resident experts evicted to make room."),
     ("moestream_bytes_read", "bytes_read", "Bytes of experts read from disk."),
 )
+
+
+def cache_view(model: Any) -> dict:
+    """`session.stats(model)` with each layer's experts, resident and pinned experts (from
+    `Runtime.state`): what `/v1/moestream/stats` serves and `top` draws."""
+    runtime = runtime_of(model)
+    out, state = stats(model), runtime.state()
+    for i, layer in enumerate(out["layers"]):
+        layer["num_experts"] = runtime.plan.layers[i].num_experts
+        layer["resident_experts"] = sorted(state.resident[i])
+        layer["pinned_experts"] = sorted(state.pinned[i])
+    return out
 
 
 class CacheCollector:

@@ -67,6 +67,4 @@ def stats_report(counted: dict, plan: ModelPlan, pools: list[SlotPool],
         for i in group:
             out["layers"][i]["warm"] = int(prewarm.warm[i])
             out["layers"][i]["pinned"] = cache.pinned_in(i)
-            out["layers"][i]["resident_experts"] = cache.resident_experts(i)
-            out["layers"][i]["num_experts"] = plan.layers[i].num_experts
     return out

@@ -261,11 +261,13 @@ def test_sigterm_saves_the_profile(tmp_path):
 
 
 def test_a_loaded_profile_prewarms_and_answers_as_stock(tmp_path, stock):
-    server = Server(serve_command("--budget", "30%", "--profile", "load", "italian-chat"),
-                    tmp_path / "log")
+    server = Server(serve_command("--budget", "30%", "--profile", "load", "italian-chat",
+                                  "--pin-share", "0.5"), tmp_path / "log")
     try:
         stats = json.loads(urllib.request.urlopen(f"{server.url}/v1/moestream/stats").read())
         assert stats["prewarm"]["experts"] > 0
+        pinned = [len(layer["pinned_experts"]) for layer in stats["layers"]]
+        assert pinned == [layer["pinned"] for layer in stats["layers"]] and sum(pinned) > 0
         assert chat(server, PROMPTS[0]) == chat(stock, PROMPTS[0])
     finally:
         server.stop()

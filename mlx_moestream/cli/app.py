@@ -44,6 +44,14 @@ budget_option = click.option(
     "--budget", "-b", type=BudgetType(), default="auto", show_default=True,
     help="Memory for resident experts: bytes, 8GB, 512MiB, 35% of experts, auto.")
 
+prewarm_share_option = click.option(
+    "--prewarm-share", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+    help="Share of the budget a loaded profile pre-warms.")
+
+pin_share_option = click.option(
+    "--pin-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+    help="Share of the budget a loaded profile's hottest experts hold for good.")
+
 
 def fail(e: Exception) -> None:
     """Raise `e` as a one-line error, since a library's message may span lines.

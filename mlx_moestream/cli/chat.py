@@ -17,7 +17,8 @@ import click
 
 from ..policies import DEFAULT_POLICY, POLICIES
 from .app import (Interrupted, Terminated, budget_option, check_torch_model, fail, model_option,
-                  progress, tell, terminate_as_interrupt, torch_backend)
+                  pin_share_option, prewarm_share_option, progress, tell,
+                  terminate_as_interrupt, torch_backend)
 from .replies import mlx_reply, torch_reply
 from .stats_view import format_hosts, format_stats
 from .user_input import check_text, interactive, read_on_host_0
@@ -47,10 +48,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               metavar="save|load NAME",
               help="load NAME: pre-warm from a saved profile; save NAME: save this session's "
                    "profile on exit. Both may be given.")
-@click.option("--prewarm-share", type=click.FloatRange(0, 1), default=1.0, show_default=True,
-              help="Share of the budget a loaded profile pre-warms.")
-@click.option("--pin-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-              help="Share of the budget a loaded profile's hottest experts hold for good.")
+@prewarm_share_option
+@pin_share_option
 @click.option("--per-layer", is_flag=True,
               help="Split the budget per layer (by the loaded profile, else evenly).")
 @click.option("--prefetch", is_flag=True,

@@ -16,7 +16,8 @@ import sys
 import click
 
 from ..policies import DEFAULT_POLICY
-from .app import Interrupted, Terminated, budget_option, fail, model_option, tell, terminate_as_interrupt
+from .app import (Interrupted, Terminated, budget_option, fail, model_option, pin_share_option,
+                  prewarm_share_option, tell, terminate_as_interrupt)
 from .chat import LIVE_POLICIES
 
 
@@ -29,6 +30,8 @@ from .chat import LIVE_POLICIES
               metavar="save|load NAME",
               help="load NAME: pre-warm from a saved profile at start; save NAME: save the "
                    "server's profile at exit and every --save-every minutes.")
+@prewarm_share_option
+@pin_share_option
 @click.option("--save-every", type=click.FloatRange(min=0, min_open=True),
               help="Minutes between saves of --profile save.  [default: 10]")
 @click.option("--prefetch", is_flag=True,
@@ -54,9 +57,9 @@ from .chat import LIVE_POLICIES
               help="Prompts processed together in a batch.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
               default="WARNING", show_default=True)
-def serve(model, budget, policy, profiles, save_every, prefetch, host, port, max_tokens, temp,
-          chat_template, chat_template_args, draft_model, num_draft_tokens, prompt_cache_size,
-          decode_concurrency, prompt_concurrency, log_level):
+def serve(model, budget, policy, profiles, prewarm_share, pin_share, save_every, prefetch, host,
+          port, max_tokens, temp, chat_template, chat_template_args, draft_model,
+          num_draft_tokens, prompt_cache_size, decode_concurrency, prompt_concurrency, log_level):
     """Serve a model at /v1/chat/completions and /v1/completions (OpenAI's API, mlx_lm.server's
     machinery), its cache's metrics at /metrics."""
     from .. import session
@@ -68,6 +71,8 @@ def serve(model, budget, policy, profiles, save_every, prefetch, host, port, max
         raise click.UsageError("--profile load and --profile save may each be given once")
     if save_every is not None and not to_save:  # else silently without effect
         raise click.UsageError("--save-every needs --profile save NAME")
+    if not to_load and (pin_share or prewarm_share != 1.0):
+        raise click.UsageError("--prewarm-share and --pin-share need --profile load NAME")
     try:
         template_args = json.loads(chat_template_args)
     except json.JSONDecodeError as e:
@@ -88,7 +93,7 @@ def serve(model, budget, policy, profiles, save_every, prefetch, host, port, max
 
         server, generator = make_server(cli_args, dict(
             budget=budget, policy=policy, profile=to_load[0] if to_load else None,
-            prefetch=prefetch))
+            prewarm_share=prewarm_share, pin_share=pin_share, prefetch=prefetch))
     except (ValueError, OSError, RuntimeError) as e:
         fail(e)
     provider = generator.model_provider

@@ -18,7 +18,7 @@ SPARK = " ▁▂▃▄▅▆▇█"
 
 
 def fetch(url: str) -> dict:
-    """The server's statistics (`session.stats` of its model), or a one-line error."""
+    """The server's statistics (`metrics.cache_view` of its model), or a one-line error."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + STATS_PATH, timeout=10) as reply:
             return json.loads(reply.read())
@@ -83,10 +83,13 @@ def frame(stats: dict, rates: dict, hit_rates: list[float]):
                   f"unique/{last['end_token'] - last['start_token']} tok" if last else "unique",
                   "warm", "pinned", "resident experts", box=None)
     for i, layer in enumerate(stats["layers"]):
-        resident = set(layer["resident_experts"])
+        resident, pinned = set(layer["resident_experts"]), set(layer["pinned_experts"])
         cells = Text()
         for e in range(layer["num_experts"]):
-            cells.append("█" if e in resident else "·", style="green" if e in resident else "dim")
+            if e in resident:
+                cells.append("█", style="yellow" if e in pinned else "green")
+            else:
+                cells.append("·", style="dim")
         table.add_row(str(i), str(layer["hits"]), str(layer["misses"]),
                       f"{layer['hit_rate']:.1%}", str(layer["evictions"]),
                       str(last["unique_experts"][i] if last else layer["unique_experts"]),

@@ -23,8 +23,7 @@ from mlx_lm.utils import load_tokenizer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from ..hub import resolve_model_path
-from ..metrics import CacheCollector
-from ..session import stats
+from ..metrics import CacheCollector, cache_view
 from .loading import load
 
 DEFAULT_MODEL = "default_model"
@@ -147,7 +146,7 @@ class StreamedHandler(APIHandler):
             if model is None:
                 self._error(503, "the model is still loading")
             else:
-                self._reply(200, json.dumps(stats(model)).encode(), "application/json")
+                self._reply(200, json.dumps(cache_view(model)).encode(), "application/json")
         else:
             super().do_GET()
 
