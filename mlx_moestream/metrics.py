@@ -18,6 +18,7 @@ LAYER_COUNTERS = (
     ("moestream_hits", "hits", "Expert accesses served by a resident expert."),
     ("moestream_misses", "misses", "Expert accesses that had to read the expert."),
     ("moestream_loads", "loads", "Experts read into a slot."),
+    ("moestream_demand_loads", "demand_loads", "Experts read because a call missed them."),
     ("moestream_evictions", "evictions", "Resident experts evicted to make room."),
     ("moestream_bytes_read", "bytes_read", "Bytes of experts read from disk."),
 )

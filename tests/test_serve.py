@@ -168,6 +168,8 @@ def test_metrics_count_the_cache_per_layer(ours):
     misses = {s.labels["layer"]: s.value for s in families["moestream_misses"].samples}
     assert sorted(hits) == sorted(misses) == ["0", "1", "2", "3"]
     assert sum(hits.values()) + sum(misses.values()) > 0
+    demand = sum(s.value for s in families["moestream_demand_loads"].samples)
+    assert 0 < demand <= sum(s.value for s in families["moestream_loads"].samples)
     assert families["moestream_bytes_read"].samples[0].name == "moestream_bytes_read_total"
     budget = families["moestream_budget_bytes"].samples[0].value
     assert 0 < families["moestream_resident_bytes"].samples[0].value <= budget
