@@ -28,7 +28,7 @@ from mlx_moestream.policies import DEFAULT_POLICY  # noqa: E402
 from mlx_moestream.replay import check_plot_target, fits, save_png, sweep  # noqa: E402
 from mlx_moestream.trace import Trace  # noqa: E402
 
-ONLINE = ["lru", "lfu", "slru", "wlfu", DEFAULT_POLICY]
+ONLINE = ["lru", "lfu", "slru", "wlfu", "markov", DEFAULT_POLICY]
 BASELINES = ["lru", "lfu", "slru"]  # what the default must beat, global or per layer
 CAPACITIES = [0.1, 0.25, 0.5]
 
@@ -51,6 +51,9 @@ def bench_trace(trace: Trace, capacities: list[float]) -> list[dict]:
         row["best_other"] = best
         gap = rates["belady"] - rates[best]
         row["gap_closed"] = round((rates[DEFAULT_POLICY] - rates[best]) / gap, 3) if gap else None
+        row["gap_closed_by"] = {  # every candidate's share, global or per layer
+            n: round((rates[n] - rates[best]) / gap, 3) if gap else None
+            for n in rates if n.split("/")[0] not in BASELINES + ["belady"]}
         row["vs_best_other_points"] = round(100 * (rates[DEFAULT_POLICY] - rates[best]), 2)
         row["vs_lru_points"] = round(100 * (rates[DEFAULT_POLICY] - rates["lru"]), 2)
     return list(rows.values())

@@ -25,7 +25,7 @@ from mlx_moestream.policies.cyclic import LayerCyclic
 from mlx_moestream.replay import replay, sweep
 from mlx_moestream.trace import Trace, synthetic_trace
 
-ONLINE = ["lru", "lfu", "slru", "wlfu", "cyclic"]
+ONLINE = ["lru", "lfu", "slru", "wlfu", "markov", "cyclic"]
 
 
 def _cache(num_slots, layers=2, num_experts=4, policy="wlfu", layer_slots=None):
@@ -582,6 +582,27 @@ def test_cyclic_evicts_an_unused_prefetched_expert_first():
     assert _resident(cache) == {(0, 0), (0, 1), (0, 3)}
 
 
+def test_markov_keeps_the_expert_that_follows_its_layers_latest_call():
+    """Calls use 0, 1, 2, 2 in turn: after a call of 0, expert 1 stays and 2 goes, though
+    LRU and LFU would both evict 1 (least recent, least used)."""
+    policy = make_policy("markov", 3, 4, num_experts=4)
+    for expert in [0, 1, 2, 2] * 4 + [0]:
+        policy.tick(1)
+        policy.access([expert], [expert])
+    assert policy.p[0, 1] > policy.p[0, 2]
+    assert _victim(policy, {0, 3}) == 2
+
+
+def test_markov_evicts_the_current_layers_expert_before_the_next_layers_at_equal_chances():
+    """Layer 0 is called now: its other experts wait a whole token, layer 1's one call."""
+    policy = make_policy("markov", 2, 4, num_experts=2)
+    policy.tick(1)
+    policy.access([0], [0])
+    policy.access([2], [2])
+    assert policy.p[0, 0] == policy.p[1, 0]
+    assert _victim(policy, {1}) == 0
+
+
 def test_belady_evicts_the_key_used_farthest_in_the_future():
     future = np.array([0, 1, 2, 1, 0])
     policy = Belady(2, 4, future)
@@ -638,7 +659,7 @@ def test_seed_rejects_unknown_keys_and_bad_counts(counts):
 
 
 def test_unknown_policy_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown policy 'fifo'.*belady, cyclic, lfu, lru, slru, wlfu"):
+    with pytest.raises(ValueError, match="unknown policy 'fifo'.*belady, cyclic, lfu, lru, markov, slru, wlfu"):
         make_policy("fifo", 4, 8)
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         _cache(4, policy="fifo")

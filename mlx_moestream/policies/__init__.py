@@ -14,10 +14,11 @@ from importlib import import_module
 from .base import Policy
 from .belady import Belady, Future
 from .classic import LFU, LRU, SLRU
+from .markov import LayerMarkov
 from .wlfu import WindowLFU
 
 __all__ = ["DEFAULT_POLICY", "LFU", "LRU", "POLICIES", "SLRU", "Belady", "Future",
-           "LayerCyclic", "Policy", "WindowLFU", "make_policy", "parse_policy",
+           "LayerCyclic", "LayerMarkov", "Policy", "WindowLFU", "make_policy", "parse_policy",
            "policy_class"]
 
 DEFAULT_POLICY = "cyclic"

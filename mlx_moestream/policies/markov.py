@@ -1,0 +1,117 @@
+"""Markov cyclic (`markov`): `cyclic`'s rule with each layer's call-to-call transitions learned."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Policy, add_counts, all_in_use
+
+MAX_HALVINGS = 512  # counts are rescaled before a weight of 2**512 nears a float's limit
+
+
+class LayerMarkov(Policy, name="markov"):
+    """Evicts the expert of least `p / d`, `p` predicted from what its layer's latest call used.
+
+    As in `cyclic`, `d` is the number of layer calls until the key's layer is called again and
+    `p` the chance that the key is used there. Here `p` is the mean, over the experts `a` of
+    the layer's latest call, of how often a call using `a` was followed at that layer by one
+    using the key: transition counts halving every `memory` tokens, each row smoothed by one
+    call's worth of the key's use rate (uses per call, halving every `half_life` tokens). It
+    starts as the use rate, i.e. as recency and frequency, and follows the routing's own
+    token-to-token structure as evidence comes. Prefetched keys that no call used go first.
+    Pure numpy, for replay: a victim search reads every key.
+    """
+
+    layered = True
+
+    def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
+                 half_life: int = 32, memory: int = 256):
+        super().__init__(capacity, num_keys)
+        for option, value in (("half_life", half_life), ("memory", memory)):
+            if value < 1:
+                raise ValueError(f"{option} must be at least 1 token, got {value}")
+        self.experts = num_experts or num_keys
+        self.layers = -(-num_keys // self.experts)
+        self.half_life, self.memory = half_life, memory
+        shape = (self.layers, self.experts)
+        self.count = np.zeros(shape)  # decayed uses, times `weight`
+        self.calls = np.zeros(self.layers)  # decayed calls, times `weight`
+        self.moves = np.zeros(shape + (self.experts,))  # [layer, a, b]: b used the call after a
+        self.starts = np.zeros(shape)  # [layer, a]: calls using a that another call followed
+        self.p = np.zeros(shape)  # chance of use at the layer's next call
+        self.latest = [np.zeros(0, np.int64) for _ in range(self.layers)]
+        self.state = np.zeros(self.layers * self.experts, np.int8)  # 0 out, 1 unused, 2 used
+        self.tokens = 0
+        self.halvings = np.zeros(2)  # applied to the counts and to the transitions
+        self.weight = self.move_weight = 1.0
+        self.position = 0  # layer of the current call
+
+    def access(self, keys: list[int], new: list[int] = ()) -> None:
+        layer = keys[0] // self.experts
+        used = np.asarray(keys, np.int64) - layer * self.experts
+        before = self.latest[layer]
+        if len(before):
+            self.moves[layer][np.ix_(before, used)] += self.move_weight
+            self.starts[layer, before] += self.move_weight
+        self.count[layer, used] += self.weight
+        self.calls[layer] += self.weight
+        self.latest[layer] = used
+        self.state[keys] = 2
+        self.position = (layer + 1) % self.layers
+        self._predict(layer)
+
+    def _predict(self, layer: int) -> None:
+        """The layer's `p`, from its latest call (the use rate when it has none)."""
+        rate = np.minimum((self.count[layer] + 1.0 / self.experts * self.weight)
+                          / (self.calls[layer] + self.weight), 1.0)
+        rows = self.latest[layer]
+        if not len(rows):
+            self.p[layer] = rate
+            return
+        w = self.move_weight
+        self.p[layer] = ((self.moves[layer][rows] + w * rate)
+                         / (self.starts[layer, rows, None] + w)).mean(axis=0)
+
+    def insert(self, keys: list[int]) -> None:
+        self.state[keys] = 1
+
+    def warm(self, keys: list[int]) -> None:
+        self.state[keys] = 2
+
+    def remove(self, key: int) -> None:
+        self.state[key] = 0
+
+    def victims(self, n: int, protected: set[int]) -> list[int]:
+        distance = (np.arange(self.layers) - self.position - 1) % self.layers + 1
+        score = (self.p / distance[:, None]).ravel()
+        score[self.state == 0] = np.inf
+        score[self.state == 1] = -1.0
+        if protected:
+            score[list(protected)] = np.inf
+        order = np.argsort(score, kind="stable")[:n]  # among equals, the least key
+        if len(order) < n or score[order[-1]] == np.inf:
+            raise all_in_use()
+        self.state[order] = 0
+        return order.tolist()
+
+    def tick(self, tokens: int) -> None:
+        """Advance the clock: a use weighs twice as much after each half-life."""
+        self.tokens += tokens
+        for i, (life, counts) in enumerate(((self.half_life, (self.count, self.calls)),
+                                            (self.memory, (self.moves, self.starts)))):
+            halvings = self.tokens / life - self.halvings[i]
+            if halvings > MAX_HALVINGS:  # the order is unchanged
+                for array in counts:
+                    array *= 0.5 ** halvings
+                self.halvings[i] += halvings
+                halvings = 0.0
+            if i:
+                self.move_weight = 2.0 ** halvings
+            else:
+                self.weight = 2.0 ** halvings
+
+    def seed(self, counts: dict[int, float]) -> None:
+        flat = self.count.reshape(-1)[: self.num_keys]
+        add_counts(flat, counts, self.weight)
+        for layer in range(self.layers):
+            self._predict(layer)
