@@ -16,9 +16,11 @@ class LayerMarkov(Policy, name="markov"):
     `p` the chance that the key is used there. Here `p` is the mean, over the experts `a` of
     the layer's latest call, of how often a call using `a` was followed at that layer by one
     using the key: transition counts halving every `memory` tokens, each row smoothed by one
-    call's worth of the key's use rate (uses per call, halving every `half_life` tokens). It
-    starts as the use rate, i.e. as recency and frequency, and follows the routing's own
-    token-to-token structure as evidence comes. Prefetched keys that no call used go first.
+    call's worth of `cyclic`'s estimate (the mean of the key's use rate per call, halving every
+    `half_life` tokens, and the rate at which keys in or out of a layer's latest call are used
+    at its next, learned over all layers). It starts as that estimate, i.e. from recency and
+    frequency, and follows the routing's own token-to-token structure as evidence comes.
+    Prefetched keys that no call used go first.
     Pure numpy, for replay: a victim search reads every key.
     """
 
@@ -38,6 +40,8 @@ class LayerMarkov(Policy, name="markov"):
         self.calls = np.zeros(self.layers)  # decayed calls, times `weight`
         self.moves = np.zeros(shape + (self.experts,))  # [layer, a, b]: b used the call after a
         self.starts = np.zeros(shape)  # [layer, a]: calls using a that another call followed
+        # uses and chances of keys in and out of a layer's latest call, at its next (all layers)
+        self.groups = np.array([1.0, 2.0, 1.0, 2.0])
         self.p = np.zeros(shape)  # chance of use at the layer's next call
         self.latest = [np.zeros(0, np.int64) for _ in range(self.layers)]
         self.state = np.zeros(self.layers * self.experts, np.int8)  # 0 out, 1 unused, 2 used
@@ -53,6 +57,9 @@ class LayerMarkov(Policy, name="markov"):
         if len(before):
             self.moves[layer][np.ix_(before, used)] += self.move_weight
             self.starts[layer, before] += self.move_weight
+            reused = int(np.isin(used, before).sum())
+            self.groups += self.move_weight * np.array(
+                [reused, len(before), len(used) - reused, self.experts - len(before)])
         self.count[layer, used] += self.weight
         self.calls[layer] += self.weight
         self.latest[layer] = used
@@ -68,8 +75,11 @@ class LayerMarkov(Policy, name="markov"):
         if not len(rows):
             self.p[layer] = rate
             return
+        group = np.full(self.experts, self.groups[2] / self.groups[3])
+        group[rows] = self.groups[0] / self.groups[1]
+        prior = (rate + group) / 2
         w = self.move_weight
-        self.p[layer] = ((self.moves[layer][rows] + w * rate)
+        self.p[layer] = ((self.moves[layer][rows] + w * prior)
                          / (self.starts[layer, rows, None] + w)).mean(axis=0)
 
     def insert(self, keys: list[int]) -> None:
@@ -98,7 +108,7 @@ class LayerMarkov(Policy, name="markov"):
         """Advance the clock: a use weighs twice as much after each half-life."""
         self.tokens += tokens
         for i, (life, counts) in enumerate(((self.half_life, (self.count, self.calls)),
-                                            (self.memory, (self.moves, self.starts)))):
+                                            (self.memory, (self.moves, self.starts, self.groups)))):
             halvings = self.tokens / life - self.halvings[i]
             if halvings > MAX_HALVINGS:  # the order is unchanged
                 for array in counts:
