@@ -191,8 +191,9 @@ def test_a_line_that_is_not_utf8_is_a_clear_error_and_the_chat_goes_on(tiny_mode
 
 
 @pytest.mark.parametrize("temp", ["nan", "inf"])
-def test_a_temperature_that_is_not_a_finite_number_is_refused(temp):
-    out = run("chat", "--temp", temp, "--prompt", "hello")
+@pytest.mark.parametrize("command", [("chat", "--prompt", "hello"), ("serve", "--port", "0")])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(command, temp):
+    out = run(*command, "--temp", temp)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"Invalid value for '--temp': {temp} is not a finite number" in out.stderr
 

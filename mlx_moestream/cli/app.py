@@ -7,6 +7,7 @@ the CLI's help starts without them.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -18,6 +19,9 @@ import click
 
 from ..budget import resolve_budget
 from ..errors import BudgetError
+from ..policies import DEFAULT_POLICY, POLICIES
+
+LIVE_POLICIES = [name for name, cls in POLICIES.items() if not cls.offline]  # need no future
 
 
 class BudgetType(click.ParamType):
@@ -51,6 +55,40 @@ prewarm_share_option = click.option(
 pin_share_option = click.option(
     "--pin-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
     help="Share of the budget a loaded profile's hottest experts hold for good.")
+
+policy_option = click.option(
+    "--policy", "-p", default=DEFAULT_POLICY, show_default=True,
+    help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}; options as "
+         "NAME:OPTION=VALUE,... (cyclic:half_life=128).")
+
+profile_option = click.option(
+    "--profile", "profiles", type=(click.Choice(["save", "load"]), str), multiple=True,
+    metavar="save|load NAME",
+    help="load NAME: pre-warm from a saved profile at start; save NAME: save the session's "
+         "profile at its end. Both may be given.")
+
+prefetch_option = click.option(
+    "--prefetch", is_flag=True,
+    help="Predict each next layer's experts and read them during compute.")
+
+
+def finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """Refuse NaN, which FloatRange lets through (every comparison with it is false), and inf."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def profile_names(profiles: list[tuple[str, str]], prewarm_share: float, pin_share: float
+                  ) -> tuple[str | None, list[str]]:
+    """`--profile` pairs as (the NAME to load or None, the NAMEs to save), refusing a second
+    load and pre-warm shares without a load, which would do nothing."""
+    to_load = [name for action, name in profiles if action == "load"]
+    if len(to_load) > 1:
+        raise click.UsageError("--profile load may be given once")
+    if not to_load and (pin_share or prewarm_share != 1.0):
+        raise click.UsageError("--prewarm-share and --pin-share need --profile load NAME")
+    return (to_load[0] if to_load else None), [n for action, n in profiles if action == "save"]
 
 
 def fail(e: Exception) -> None:

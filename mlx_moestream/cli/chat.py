@@ -6,7 +6,6 @@ the chat ends: done, interrupted, terminated, or failed mid-answer.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -15,45 +14,30 @@ from typing import Callable
 
 import click
 
-from ..policies import DEFAULT_POLICY, POLICIES
-from .app import (Interrupted, Terminated, budget_option, check_torch_model, fail, model_option,
-                  pin_share_option, prewarm_share_option, progress, tell,
+from .app import (Interrupted, Terminated, budget_option, check_torch_model, fail, finite,
+                  model_option, pin_share_option, policy_option, prefetch_option,
+                  prewarm_share_option, profile_names, profile_option, progress, tell,
                   terminate_as_interrupt, torch_backend)
 from .replies import mlx_reply, torch_reply
 from .stats_view import format_hosts, format_stats
 from .user_input import check_text, interactive, read_on_host_0
 
-LIVE_POLICIES = [name for name, cls in POLICIES.items() if not cls.offline]  # need no future
-
-
-def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    """Refuse NaN, which FloatRange lets through (every comparison with it is false), and inf."""
-    if not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a finite number")
-    return value
-
 
 @click.command()
 @model_option
 @budget_option
-@click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
-              help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}; options as "
-                   "NAME:OPTION=VALUE,... (cyclic:half_life=128).")
+@policy_option
 @click.option("--prompt", help="Answer this one prompt and exit (non-interactive).")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
-              callback=_finite,
+              callback=finite,
               help="Sampling temperature; 0 is greedy.")
-@click.option("--profile", "profiles", type=(click.Choice(["save", "load"]), str), multiple=True,
-              metavar="save|load NAME",
-              help="load NAME: pre-warm from a saved profile; save NAME: save this session's "
-                   "profile on exit. Both may be given.")
+@profile_option
 @prewarm_share_option
 @pin_share_option
 @click.option("--per-layer", is_flag=True,
               help="Split the budget per layer (by the loaded profile, else evenly).")
-@click.option("--prefetch", is_flag=True,
-              help="Predict each next layer's experts and read them during compute.")
+@prefetch_option
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Record the routing to this .npz trace on exit.")
 @click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
@@ -70,12 +54,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
     from ..profiles import save_target
     from ..trace import check_save_target
 
-    to_load = [name for action, name in profiles if action == "load"]
-    to_save = [name for action, name in profiles if action == "save"]
-    if len(to_load) > 1:
-        raise click.UsageError("--profile load may be given once")
-    if not to_load and (pin_share or prewarm_share != 1.0):  # else silently without effect
-        raise click.UsageError("--prewarm-share and --pin-share need --profile load NAME")
+    profile, to_save = profile_names(profiles, prewarm_share, pin_share)
     check_torch_model(backend, model)
     if backend == "torch" and distributed:
         raise click.UsageError("--distributed needs --backend mlx")
@@ -94,7 +73,6 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         written = [os.path.realpath(t) for t in paths]
         if len(set(written)) < len(written):  # the second write would refuse, or replace, the first
             raise click.UsageError("--trace and each --profile save need a file of their own")
-        profile = to_load[0] if to_load else None
         if backend == "torch":
             lm, tokenizer = torch_backend().load(model, budget, device=device, policy=policy,
                                                  profile=profile, prewarm_share=prewarm_share,

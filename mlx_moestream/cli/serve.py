@@ -15,27 +15,21 @@ import sys
 
 import click
 
-from ..policies import DEFAULT_POLICY
-from .app import (Interrupted, Terminated, budget_option, fail, model_option, pin_share_option,
-                  prewarm_share_option, tell, terminate_as_interrupt)
-from .chat import LIVE_POLICIES
+from .app import (Interrupted, Terminated, budget_option, fail, finite, model_option,
+                  pin_share_option, policy_option, prefetch_option, prewarm_share_option,
+                  profile_names, profile_option, tell, terminate_as_interrupt)
 
 
 @click.command()
 @model_option
 @budget_option
-@click.option("--policy", "-p", default=DEFAULT_POLICY, show_default=True,
-              help=f"Expert cache policy: {', '.join(sorted(LIVE_POLICIES))}.")
-@click.option("--profile", "profiles", type=(click.Choice(["save", "load"]), str), multiple=True,
-              metavar="save|load NAME",
-              help="load NAME: pre-warm from a saved profile at start; save NAME: save the "
-                   "server's profile at exit and every --save-every minutes.")
+@policy_option
+@profile_option
 @prewarm_share_option
 @pin_share_option
 @click.option("--save-every", type=click.FloatRange(min=0, min_open=True),
               help="Minutes between saves of --profile save.  [default: 10]")
-@click.option("--prefetch", is_flag=True,
-              help="Predict each next layer's experts and read them during compute.")
+@prefetch_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback exposes the model to the "
                    "network, with no authentication.")
@@ -43,7 +37,7 @@ from .chat import LIVE_POLICIES
 @click.option("--max-tokens", type=click.IntRange(1), default=512, show_default=True,
               help="Default max_tokens of a request.")
 @click.option("--temp", type=click.FloatRange(0), default=0.0, show_default=True,
-              help="Default sampling temperature.")
+              callback=finite, help="Default sampling temperature.")
 @click.option("--chat-template", default="", help="A chat template replacing the model's.")
 @click.option("--chat-template-args", default="{}", show_default=True,
               help="JSON arguments of the chat template ('{\"enable_thinking\":false}').")
@@ -65,14 +59,11 @@ def serve(model, budget, policy, profiles, prewarm_share, pin_share, save_every,
     from .. import session
     from ..profiles import save_target
 
-    to_load = [name for action, name in profiles if action == "load"]
-    to_save = [name for action, name in profiles if action == "save"]
-    if len(to_load) > 1 or len(to_save) > 1:
-        raise click.UsageError("--profile load and --profile save may each be given once")
+    to_load, to_save = profile_names(profiles, prewarm_share, pin_share)
+    if len(to_save) > 1:
+        raise click.UsageError("--profile save may be given once")
     if save_every is not None and not to_save:  # else silently without effect
         raise click.UsageError("--save-every needs --profile save NAME")
-    if not to_load and (pin_share or prewarm_share != 1.0):
-        raise click.UsageError("--prewarm-share and --pin-share need --profile load NAME")
     try:
         template_args = json.loads(chat_template_args)
     except json.JSONDecodeError as e:
@@ -92,7 +83,7 @@ def serve(model, budget, policy, profiles, prewarm_share, pin_share, save_every,
         from ..mlx.server import make_server, serve as serve_forever
 
         server, generator = make_server(cli_args, dict(
-            budget=budget, policy=policy, profile=to_load[0] if to_load else None,
+            budget=budget, policy=policy, profile=to_load,
             prewarm_share=prewarm_share, pin_share=pin_share, prefetch=prefetch))
     except (ValueError, OSError, RuntimeError) as e:
         fail(e)
