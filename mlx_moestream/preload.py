@@ -1,4 +1,4 @@
-"""The read of every expert at load, when each has a slot of its own (`Runtime.holds_all`).
+"""The read of every expert at load, when each has a slot of its own (`Residency.holds_all`).
 
 Then no slot is ever reused: the experts are read once, as stock mlx-lm reads its weights at
 load, and the backend computes without waiting on the host.

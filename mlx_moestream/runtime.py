@@ -4,7 +4,7 @@ A backend (`mlx`, `torch`) builds the `ModelPlan`, hands the runtime a `Backend`
 pools hold the experts of each group of layers with one expert shape, and calls `call` from
 each expert layer with a `StreamedLayer`; everything else happens here, the same for every
 backend. Slots are filled in place, so a backend's `settle` must wait for a call's compute
-before a later call may reuse its slots (`holds_all` says when no slot is ever reused).
+before a later call may reuse its slots (`Residency.holds_all`: when no slot is reused).
 What a model does outside its calls lives apart: `preload` reads every expert at load,
 `prewarming` pre-warms from a profile, `report` assembles the statistics, `forks` follows forks.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numbers
 import threading
-import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -26,11 +25,12 @@ from .forks import follow_forks
 from .interrupts import CRITICAL, install_handler
 from .plan import ModelPlan
 from .policies import DEFAULT_POLICY, make_policy
-from .pools import by_layer, check_budget, make_pools
+from .pools import check_budget
 from .prefetch import Prefetch
 from .prewarming import Prewarmer
 from .profiles import Profile
 from .reads import Group, Reads
+from .residency import Residency
 from .report import RuntimeState, runtime_state, stats_report
 from .stats import Stats
 from .store import ExpertStore
@@ -82,39 +82,26 @@ class Runtime:
         self.policy = policy
         self.recorder: TraceRecorder | None = None  # while recording routing (`start_trace`)
         self.stats = Stats([l.path for l in plan.layers], plan.num_experts, window_tokens)
-        self.reads = Reads(io_threads, self._read, self.forget, self.stats)
+        self.residency = residency = Residency(plan, store, budget_bytes, backend, policy,
+                                               self.call_experts, per_layer, layer_weights)
+        self.reads = Reads(io_threads, residency.read, residency.forget, self.stats)
         self.lock = threading.RLock()  # one thread's layer call at a time
         self.prefetch: Prefetch | None = None  # see `enable_prefetch`
         self.closed = False  # see `close`
         self.held: list[tuple] = []  # the statistics of calls routed since the latest `tally`
         self.host = host
-        self.store_layer = [
-            store.add_layer(l.path, {n: (shape, nbytes) for n, (shape, _, nbytes) in l.specs.items()},
-                            l.total_experts or l.num_experts,
-                            range(l.first_expert, l.first_expert + l.num_experts))
-            for l in plan.layers
-        ]
         store.open()  # before any reader thread
         install_handler()  # Ctrl-C waits for a step in progress (see interrupts)
-        self.pools, self.caches = make_pools(plan, budget_bytes, backend, policy,
-                                             self.call_experts, per_layer, layer_weights)
-        self.layer_pool, self.layer_cache = by_layer(plan, self.pools), by_layer(plan, self.caches)
-        # every expert can have a slot of its own: none is ever reused, so the backend may
-        # read all of them at load (`read_all`) and compute without waiting on the host
-        self.holds_all = all(cache.holds_all for cache in self.caches)
-        self.prewarmer = Prewarmer(self.caches, self.layer_cache, self.reads, self.call_experts,
-                                   lambda: self.closed)
+        self.prewarmer = Prewarmer(residency.caches, residency.layer_cache, self.reads,
+                                   self.call_experts, lambda: self.closed)
         follow_forks(self)
 
     def enable_prefetch(self) -> None:
         """Read each next layer's predicted experts ahead (see `prefetch`). Not when every
         expert has a slot: each misses once a session, and predicting on every token would
         cost more than reading ahead saves."""
-        if not self.holds_all:
-            self.prefetch = Prefetch(self.layer_cache, self.stats)
-
-    def capacity(self, layer: int) -> int:
-        return self.layer_cache[layer].capacity(layer)
+        if not self.residency.holds_all:
+            self.prefetch = Prefetch(self.residency.layer_cache, self.stats)
 
     def count_sync(self) -> None:
         """The backend waited for the device (to read routed ids or a prediction)."""
@@ -187,7 +174,7 @@ class Runtime:
         if layer == 0:
             tokens = ids.size // ids.shape[-1]
             self.held.append((self.stats.tick, (tokens,)))
-            for cache in self.caches:
+            for cache in self.residency.caches:
                 cache.tick(tokens)
         num = self.plan.layers[layer].num_experts
         if self.recorder is not None and record:
@@ -198,7 +185,7 @@ class Runtime:
         experts = sorted(set(routed)) if routed else [0]  # expert 0 where every id is masked
         if self.prefetch:
             self.prefetch.score(layer, experts)
-        fits = len(experts) <= self.capacity(layer)
+        fits = len(experts) <= self.residency.capacity(layer)
         if fits or not compute:  # else `rounds` counts each round's routing with its accesses
             self.held.append((self.stats.route, (layer, routed)))
         return (experts, ids) if fits else None
@@ -209,12 +196,12 @@ class Runtime:
         loads = self._decide(layer, experts)
         if loads:
             self.reads.load(layer, loads)
-        return self.layer_cache[layer].slots(layer, ids)
+        return self.residency.layer_cache[layer].slots(layer, ids)
 
     def _decide(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
         """The cache's decision for a call's distinct `experts`, counted, its victims released:
         returns the (expert, slot) reads it needs."""
-        loads, hits, evicted = self.layer_cache[layer].request(layer, experts)
+        loads, hits, evicted = self.residency.layer_cache[layer].request(layer, experts)
         self.held.append((self.stats.count_request, (layer, hits, len(loads))))
         if evicted:
             self.evicted(evicted, layer, loads)
@@ -236,40 +223,10 @@ class Runtime:
         """
         self.held.append((self.stats.count_evictions, (keys,)))
         try:
-            self._release(keys)
+            self.residency.release(keys)
         except BaseException:
-            self.forget(layer, *(expert for expert, _ in loads))
+            self.residency.forget(layer, *(expert for expert, _ in loads))
             raise
-
-    def forget(self, layer: int, *experts: int) -> None:
-        """Take experts whose reads failed, were cut short or never started out of their slots.
-
-        Forgetting one twice does nothing. One step that an interrupt cannot cut: the held
-        policy updates first, then every expert leaves before any is released (a release may
-        fail).
-        """
-        with CRITICAL:
-            gone = [layer * self.plan.num_experts + expert for expert in experts
-                    if self.layer_cache[layer].discard(layer, expert)]
-            self._release(gone)
-
-    def _release(self, keys: list[int]) -> None:
-        """Tell the pools that want to know that keys left their slots."""
-        resident = {}  # per layer, which experts hold a slot now
-        for key in keys:
-            layer, expert = divmod(key, self.plan.num_experts)
-            pool = self.layer_pool[layer]
-            if pool.releases:
-                if layer not in resident:
-                    resident[layer] = self.slot_map(layer) >= 0
-                pool.release(layer, expert, resident[layer])
-
-    def _read(self, layer: int, expert: int, slot: int) -> tuple[int, float]:
-        """Read one expert into its slot: (bytes, seconds)."""
-        start = time.perf_counter()
-        with self.layer_pool[layer].landing(layer, expert, slot) as destination:
-            nbytes = self.store.read_expert(self.store_layer[layer], expert, destination)
-        return nbytes, time.perf_counter() - start
 
     def route_chunks(self, layer: int, ids: np.ndarray) -> Parts | None:
         """`route` for a call of many tokens: its chunks, each as soon as its experts land.
@@ -292,7 +249,7 @@ class Runtime:
             self._reading(layer, experts)
             size = max(self.plan.top_k, -(-len(loads) // PIPELINE_CHUNKS))
             groups = self.reads.start(layer, loads, size)
-            slots = self.layer_cache[layer].slots(layer, ids)
+            slots = self.residency.layer_cache[layer].slots(layer, ids)
         return chunks(self.reads, layer, ids, slots, groups)
 
     def rounds(self, layer: int, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -301,25 +258,12 @@ class Runtime:
         Yields (positions in the flat ids, their slots); the caller computes each round before
         asking for the next, which may reuse its slots.
         """
-        given, num = ids.reshape(-1), self.plan.layers[layer].num_experts
-        routed, flat = unmasked(given, num)
-        order = np.argsort(flat, kind="stable")
-        valid = None  # masked ids (pointing at a routed expert) count nothing
-        if len(routed) < len(flat):
-            valid = (given >= 0) & (given < num)
-        sorted_ids = flat[order]
-        experts = np.unique(sorted_ids)
-        capacity, done = self.capacity(layer), 0
-        for start in range(0, len(experts), capacity):
-            chunk = experts[start : start + capacity]
-            end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
-            positions = order[done:end]
-            counted = positions if valid is None else positions[valid[positions]]
+        num, capacity = self.plan.layers[layer].num_experts, self.residency.capacity(layer)
+        for experts, positions, routed, counted in split_rounds(ids, num, capacity):
             with CRITICAL:  # a read error ends the call: its later rounds count nothing
-                self.held.append((self.stats.route, (layer, flat[counted].tolist())))
-                slots = self._request(layer, chunk.tolist(), flat[positions])
+                self.held.append((self.stats.route, (layer, counted)))
+                slots = self._request(layer, experts, routed)
             yield positions, slots
-            done = end
 
     def read_ahead(self, layer: int, predicted: np.ndarray) -> None:
         """Start reading the next layer's `predicted` experts (distinct ids) that are not
@@ -328,7 +272,7 @@ class Runtime:
         if not self.prefetch.worth_reading(layer, predicted):
             return
         with CRITICAL:
-            cache = self.layer_cache[nxt]
+            cache = self.residency.layer_cache[nxt]
             loads, evicted = cache.prefetch(nxt, predicted, self.prefetch.reading)
             self.evicted(evicted, nxt, loads)
             self.prefetch.ahead[nxt] = landed = set()
@@ -341,7 +285,7 @@ class Runtime:
         the device works (else the next call does).
         """
         with CRITICAL:  # a policy must learn of every key that became resident
-            for cache in self.caches:
+            for cache in self.residency.caches:
                 cache.catch_up()
             make_held(self.held)
 
@@ -357,14 +301,11 @@ class Runtime:
         self.reads.drain()
         self.count_all()
 
-    def slot_map(self, layer: int) -> np.ndarray:
-        """The slot of every expert of `layer` (-1: not resident)."""
-        return self.layer_cache[layer].slots(layer, np.arange(self.plan.layers[layer].num_experts))
-
     def read_all(self, progress: Callable | None = None) -> None:
         """Read every expert now, when each has a slot of its own (see `preload`)."""
-        preload.read_all(self.plan, self.store, self.store_layer, self.layer_cache,
-                         self.layer_pool, self.reads, progress)
+        residency = self.residency
+        preload.read_all(self.plan, self.store, residency.store_layer, residency.layer_cache,
+                         residency.layer_pool, self.reads, progress)
 
     def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
                 progress: Callable | None = None) -> dict:
@@ -382,14 +323,16 @@ class Runtime:
         with self.lock:
             self._settle_counts()  # every resident expert with its load counted
             counted = self.stats.as_dict()
-        return stats_report(counted, self.plan, self.pools, self.caches, self.prewarmer,
+        return stats_report(counted, self.plan, self.residency.pools, self.residency.caches,
+                            self.prewarmer,
                             self.budget_bytes, self.policy, self.prefetch is not None, self.host)
 
     def state(self) -> RuntimeState:
         """What the model holds now (resident, pinned, reads in flight, free slots), between
         layer calls: a snapshot that later calls do not change."""
         with self.lock:
-            return runtime_state(self.plan, self.caches, self.layer_cache, self.reads)
+            return runtime_state(self.plan, self.residency.caches, self.residency.layer_cache,
+                                 self.reads)
 
     def forked(self) -> None:
         """In a child forked while the model was loaded (see `forks`): the I/O threads did not
@@ -426,6 +369,27 @@ def unmasked(ids: np.ndarray, num: int) -> tuple[list[int], np.ndarray]:
         return flat, ids
     routed = [i for i in flat if 0 <= i < num]
     return routed, np.where((ids >= 0) & (ids < num), ids, routed[0] if routed else 0)
+
+
+def split_rounds(ids: np.ndarray, num: int, capacity: int
+                 ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray, list[int]]]:
+    """`Runtime.rounds`' rounds: (at most `capacity` distinct experts, their positions in the
+    flat ids, the ids there with masked ones unmasked, the routed ids there to count)."""
+    given = ids.reshape(-1)
+    routed, flat = unmasked(given, num)
+    order = np.argsort(flat, kind="stable")
+    valid = None  # masked ids (pointing at a routed expert) count nothing
+    if len(routed) < len(flat):
+        valid = (given >= 0) & (given < num)
+    sorted_ids = flat[order]
+    experts, done = np.unique(sorted_ids), 0
+    for start in range(0, len(experts), capacity):
+        chunk = experts[start : start + capacity]
+        end = done + int(np.searchsorted(sorted_ids[done:], chunk[-1], side="right"))
+        positions = order[done:end]
+        counted = positions if valid is None else positions[valid[positions]]
+        yield chunk.tolist(), positions, flat[positions], flat[counted].tolist()
+        done = end
 
 
 def chunks(reads: Reads, layer: int, ids: np.ndarray, slots: np.ndarray, groups: list[Group]

@@ -70,7 +70,7 @@ def cold_reads(runtime, model_dir: Path, experts: list[int], rounds: int = 5) ->
     more so for one large block than for an expert's 9 pieces (re-reading the same experts
     every round measured the repacked copy 3.0x faster; first reads, 1.75x)."""
     store = runtime.store
-    dest = runtime.pools[0].slot(0)
+    dest = runtime.residency.pools[0].slot(0)
     repack(model_dir)
     os.sync()  # the copy's writeback would compete with the cold reads
     packed, cached = ExpertStore(model_dir), ExpertStore(model_dir, drop_page_cache=False)

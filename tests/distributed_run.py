@@ -25,7 +25,7 @@ def reads_only_its_experts(runtime) -> bool:
         specs = {n: (shape, nbytes) for n, (shape, _, nbytes) in layer.specs.items()}
         whole = full.layers[full.add_layer(layer.path, specs, layer.total_experts)]
         share = slice(layer.first_expert, layer.first_expert + layer.num_experts)
-        mine = runtime.store.layers[runtime.store_layer[i]]
+        mine = runtime.store.layers[runtime.residency.store_layer[i]]
         if any((a.offsets != b.offsets[share]).any() for a, b in zip(mine, whole)):
             return False
     return True

@@ -82,7 +82,7 @@ def test_an_interrupt_inside_a_cache_step_lands_after_it(tiny_model, reference, 
     model, _ = mlx_moestream.load(path, budget="25%")
     runtime = model.moestream
     owner, name = ((runtime.store, "read_expert") if step == "read"
-                   else (runtime.caches[0].policies[0], "access"))
+                   else (runtime.residency.caches[0].policies[0], "access"))
     original, calls = getattr(owner, name), itertools.count()
 
     def interrupting(*args):
@@ -129,7 +129,7 @@ def test_a_raising_handler_of_another_signal_inside_a_cache_step_runs_after_it(
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="25%")
     runtime = model.moestream
-    policy = runtime.caches[0].policies[0]
+    policy = runtime.residency.caches[0].policies[0]
     original, calls = policy.victims, itertools.count()
 
     def signalling(*args):
@@ -156,7 +156,7 @@ def test_a_raising_handler_inside_a_prewarm_s_pins_runs_after_them(tiny_model, r
     model, _ = mlx_moestream.load(path, budget="50%", policy="lru")
     greedy_logits(model, decode_tokens=4)
     profile = mlx_moestream.profile(model, "chat")
-    policy = model.moestream.caches[0].policies[0]
+    policy = model.moestream.residency.caches[0].policies[0]
     original, calls = policy.remove, itertools.count()
 
     def signalling(key):
@@ -326,11 +326,11 @@ def _stale_experts(runtime) -> list[tuple[int, int]]:
     """The (layer, expert) pairs marked resident whose slot does not hold their bytes."""
     stale = []
     for layer in range(runtime.plan.num_layers):
-        views = runtime.layer_pool[layer].views
-        for expert, slot in enumerate(runtime.slot_map(layer).tolist()):
+        views = runtime.residency.layer_pool[layer].views
+        for expert, slot in enumerate(runtime.residency.slot_map(layer).tolist()):
             if slot >= 0:
                 fresh = {name: np.empty_like(view[slot]) for name, view in views.items()}
-                runtime.store.read_expert(runtime.store_layer[layer], expert, fresh)
+                runtime.store.read_expert(runtime.residency.store_layer[layer], expert, fresh)
                 if not all(np.array_equal(fresh[n], views[n][slot]) for n in fresh):
                     stale.append((layer, expert))
     return stale
@@ -376,8 +376,8 @@ def test_a_read_that_cannot_start_leaves_no_stale_slot(tiny_model, reference, mo
     monkeypatch.undo()
     runtime.backend.settle()
     layer = next(layer for layer in range(runtime.plan.num_layers)
-                 if (runtime.slot_map(layer) >= 0).any())
-    hits = np.flatnonzero(runtime.slot_map(layer) >= 0)[None, None]
+                 if (runtime.residency.slot_map(layer) >= 0).any())
+    hits = np.flatnonzero(runtime.residency.slot_map(layer) >= 0)[None, None]
     runtime.route(layer, hits)  # a call of hits (it evicts nothing) finishes the reads left running
     assert _stale_experts(runtime) == []
     assert _equals_stock(model, reference(path))
@@ -422,8 +422,8 @@ def test_an_expert_forgotten_twice_frees_its_slot_once(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe", bits=4), budget="60%")
     runtime = model.moestream
     runtime.route(0, np.array([[[0, 1]]]))
-    runtime.forget(0, 1)
-    runtime.forget(0, 1)
+    runtime.residency.forget(0, 1)
+    runtime.residency.forget(0, 1)
     free, = runtime.state().free_slots
     assert len(set(free)) == len(free) and min(free) >= 0
 
@@ -487,7 +487,7 @@ def test_an_interrupt_inside_the_policy_updates_a_failed_read_makes_lands_after_
     path = tiny_model("qwen3_moe", bits=4)
     model, _ = mlx_moestream.load(path, budget="25%")
     runtime = model.moestream
-    policy = runtime.caches[0].policies[0]
+    policy = runtime.residency.caches[0].policies[0]
     original, armed = policy.access, []
 
     def interrupting(*args):
@@ -499,7 +499,7 @@ def test_an_interrupt_inside_the_policy_updates_a_failed_read_makes_lands_after_
     runtime.route(0, np.array([[[0, 1]]]))  # its uses held
     armed.append(True)
     with _sigint_handler(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
-        runtime.forget(0, 1)
+        runtime.residency.forget(0, 1)
     del policy.access
     state = runtime.state()
     assert 1 not in state.resident[0] and state.held_policy_updates == 0
@@ -523,7 +523,7 @@ def test_an_interrupt_while_statistics_finish_a_failed_prefetch_read_leaves_no_s
     model, _ = mlx_moestream.load(path, budget="75%", prefetch=True)
     runtime, expert = model.moestream, 1
     greedy_logits(model, decode_tokens=1)
-    runtime.forget(1, expert)
+    runtime.residency.forget(1, expert)
     original = runtime.store.read_expert
 
     def failing(layer, e, dest):
@@ -542,7 +542,7 @@ def test_an_interrupt_while_statistics_finish_a_failed_prefetch_read_leaves_no_s
     group.reads = _InterruptedAfterPop(group.reads)
     with _sigint_handler(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
         mlx_moestream.stats(model)
-    assert runtime.slot_map(1)[expert] < 0
+    assert runtime.residency.slot_map(1)[expert] < 0
     assert _equals_stock(model, reference(path))
 
 

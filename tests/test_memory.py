@@ -160,7 +160,7 @@ def test_pages_a_failed_read_requested_leave_the_page_cache(page_cache_model, mo
 
     model, _ = mlx_moestream.load(page_cache_model, budget="25%")
     store = model.moestream.store
-    slot = model.moestream.layer_pool[0].slot(0)
+    slot = model.moestream.residency.layer_pool[0].slot(0)
     dest = {name: np.empty_like(view) for name, view in slot.items()}
     shard = page_cache_model / "model.safetensors"
     _dropped(shard)
@@ -219,7 +219,7 @@ def test_a_read_is_dropped_while_another_read_is_in_flight(page_cache_model, mon
         return preadv(fd, bufs, offset, *flags)
 
     def buffers():
-        slot = model.moestream.layer_pool[0].slot(0)
+        slot = model.moestream.residency.layer_pool[0].slot(0)
         return {name: np.empty_like(view) for name, view in slot.items()}
 
     monkeypatch.setattr(os, "preadv", held_preadv)

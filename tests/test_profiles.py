@@ -403,10 +403,10 @@ def test_pinned_experts_are_never_evicted(tiny_model, tmp_path):
     pinned = {(l, e) for l, experts in enumerate(runtime.state().pinned) for e in experts}
     assert len(pinned) == 4
     assert sum(layer["pinned"] for layer in mlx_moestream.stats(model)["layers"]) == 4
-    slots = {(l, e): runtime.slot_map(l)[e] for l, e in pinned}
+    slots = {(l, e): runtime.residency.slot_map(l)[e] for l, e in pinned}
     assert mlx_lm.generate(model, tokenizer, "def f(x): return [x] * 9 " * 4, max_tokens=16)
     assert mlx_moestream.stats(model)["evictions"] > 0
-    assert {(l, e): runtime.slot_map(l)[e] for l, e in pinned} == slots
+    assert {(l, e): runtime.residency.slot_map(l)[e] for l, e in pinned} == slots
 
 
 def test_a_full_budget_with_most_slots_pinned_counts_every_routed_token(tiny_model, tmp_path):
@@ -415,7 +415,7 @@ def test_a_full_budget_with_most_slots_pinned_counts_every_routed_token(tiny_mod
     path = tiny_model("qwen3_moe")
     profile = _saved_profile(path, tmp_path, "50%")
     model, _ = mlx_moestream.load(path, budget="100%", profile=profile, pin_share=1.0)
-    assert all(model.moestream.capacity(layer) < 8 for layer in range(2))
+    assert all(model.moestream.residency.capacity(layer) < 8 for layer in range(2))
     mx.eval(model(mx.array([list(range(64))])))
     stats = mlx_moestream.stats(model)
     counts = model.moestream.stats.activations
@@ -454,7 +454,7 @@ def test_a_second_prewarm_counts_the_pins_of_the_first(tiny_model, tmp_path, per
     mlx_moestream.prewarm(model, other, share=1.0, pin_share=0.5)
     runtime = model.moestream
     assert sum(map(len, runtime.state().pinned)) <= 4
-    assert all(runtime.capacity(layer) >= runtime.plan.top_k for layer in range(2))
+    assert all(runtime.residency.capacity(layer) >= runtime.plan.top_k for layer in range(2))
     stock, _ = mlx_lm.load(str(path))
     assert (mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16)
             == mlx_lm.generate(stock, tokenizer, PROMPT, max_tokens=16))
@@ -519,7 +519,7 @@ def test_per_layer_split_follows_the_profile_and_stays_exact(tiny_model, tmp_pat
     first, text = _session(path, budget="50%")
     profile_path = mlx_moestream.save_profile(first, tmp_path / "p.json")
     model, tokenizer = mlx_moestream.load(path, budget="50%", profile=profile_path, per_layer=True)
-    limits = model.moestream.caches[0].limit
+    limits = model.moestream.residency.caches[0].limit
     assert sum(limits.values()) == 8 and min(limits.values()) >= 2
     assert mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=16) == text
 

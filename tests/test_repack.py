@@ -36,7 +36,7 @@ def test_repacked_store_streams_exactly_and_reads_one_run_per_expert(model_copy,
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), expected))
     calls = []
     store._read_run = lambda *args, **kwargs: calls.append(args)
-    store.read_expert(0, 3, model.moestream.pools[0].slot(0))
+    store.read_expert(0, 3, model.moestream.residency.pools[0].slot(0))
     assert len(calls) == 1
 
 
@@ -56,7 +56,7 @@ def test_repacked_experts_are_read_with_direct_io_and_match_the_model_files(mode
         *args, fd=fd)
     for layer in range(len(packed.plan.layers)):
         for expert in (0, 7):
-            want, got = plain.pools[0].slot(0), packed.pools[0].slot(1)
+            want, got = plain.residency.pools[0].slot(0), packed.residency.pools[0].slot(1)
             plain.store.read_expert(layer, expert, want)
             packed.store.read_expert(layer, expert, got)
             assert all(np.array_equal(want[n], got[n]) for n in want)

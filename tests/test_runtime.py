@@ -42,7 +42,7 @@ for token in range(16):
     for layer, spec in enumerate(plan.layers):
         ids = rng.permutation(spec.num_experts)[: plan.top_k][None, :]
         slots = runtime.route(layer, ids)
-        pool = runtime.layer_pool[layer]
+        pool = runtime.residency.layer_pool[layer]
         for expert, slot in zip(ids[0], slots[0]):
             for name, view in pool.views.items():
                 assert np.array_equal(view[slot], weights[f"{spec.path}.{name}"][expert]), \\

@@ -60,13 +60,14 @@ def test_a_full_budget_load_read_in_small_runs_equals_the_expert_reads(tiny_mode
     monkeypatch.setattr(store_module, "IOV_MAX", 4)  # at most two pieces a read
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="100%")
     runtime = model.moestream
-    pool = runtime.pools[0]
+    pool = runtime.residency.pools[0]
     for layer in range(len(runtime.plan.layers)):
         for expert in (0, 5):
-            want = {n: v.copy() for n, v in pool.slot(runtime.slot_map(layer)[expert]).items()}
+            slot = runtime.residency.slot_map(layer)[expert]
+            want = {n: v.copy() for n, v in pool.slot(slot).items()}
             got = pool.slot(0)
             saved = {n: v.copy() for n, v in got.items()}
-            runtime.store.read_expert(runtime.store_layer[layer], expert, got)
+            runtime.store.read_expert(runtime.residency.store_layer[layer], expert, got)
             assert all(np.array_equal(want[n], got[n]) for n in want)
             for n, v in saved.items():
                 got[n][...] = v

@@ -267,7 +267,7 @@ def test_every_policy_keeps_logits_exact(tiny_model, reference, policy, per_laye
 def test_policy_options_reach_the_live_policy(tiny_model):
     model, _ = mlx_moestream.load(tiny_model("qwen3_moe"), budget="50%",
                                   policy="wlfu:half_life=16")
-    assert model.moestream.caches[0].policies[0].half_life == 16
+    assert model.moestream.residency.caches[0].policies[0].half_life == 16
     assert mlx_moestream.stats(model)["policy"] == "wlfu:half_life=16"
 
 
@@ -300,7 +300,7 @@ def test_prefetch_reads_into_per_layer_shares_of_one_call_s_experts(tiny_model, 
     path = tiny_model("qwen3_moe", num_layers=4, num_experts=16)
     model, _ = mlx_moestream.load(path, budget=min_budget(path) * 4, prefetch=True,
                                   per_layer=True)  # top-k slots per layer
-    assert set(model.moestream.caches[0].limit.values()) == {model.moestream.plan.top_k}
+    assert set(model.moestream.residency.caches[0].limit.values()) == {model.moestream.plan.top_k}
     assert all(mx.array_equal(a, b).item() for a, b in zip(greedy_logits(model), reference(path)))
     assert mlx_moestream.stats(model)["prefetch_loads"] > 0
 

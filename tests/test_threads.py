@@ -198,11 +198,11 @@ def test_a_child_forked_after_load_reads_experts_on_its_own_threads(tiny_model, 
     path = tiny_model("qwen3_moe")
     model, _ = mlx_moestream.load(path, budget=load_lazy(path)[-1].min_budget_bytes)
     runtime = model.moestream
-    pool = runtime.layer_pool[0]
+    pool = runtime.residency.layer_pool[0]
     expected = []
     for expert in (0, 1):
         dest = {name: np.empty_like(view) for name, view in pool.slot(0).items()}
-        runtime.store.read_expert(runtime.store_layer[0], expert, dest)
+        runtime.store.read_expert(runtime.residency.store_layer[0], expert, dest)
         expected.append(dest)
     pid = os.fork()
     if pid == 0:  # the child: its exit status is the test's result

@@ -285,7 +285,7 @@ def test_a_failed_read_into_a_slot_pool_leaves_no_stale_expert(hf_model, slot_po
     with pytest.raises(StoreError, match="a read error"):
         run(model)
     assert_equal_runs(run(model), expected)
-    slots = model.moestream.pools[0].slots
+    slots = model.moestream.residency.pools[0].slots
     assert slots.free.qsize() == slots.STAGING
     assert mlx_moestream.stats(model)["read_errors"] == 1
 
@@ -567,7 +567,7 @@ def test_expert_memory_in_use_stays_within_the_budget(hf_model, fused, dtype):
     page, so neighbours share pages: their pages, not their bytes, are what is held)."""
     model, _ = moestream_torch.load(hf_model("qwen3_moe", fused, dtype), budget="25%")
     runtime = model.moestream
-    maps = [buffer for layer in runtime.pools[0].rows.maps for buffer, _, _ in layer]
+    maps = [buffer for layer in runtime.residency.pools[0].rows.maps for buffer, _, _ in layer]
     for _ in range(4):
         run(model)
         stats = mlx_moestream.stats(model)
@@ -598,7 +598,8 @@ def test_expert_maps_take_no_transparent_huge_pages(hf_model):
     the 2 MiB page around it, other experts' rows too, which evicting the row did not give
     back: the expert maps held 3.4 times the budget."""
     model, _ = moestream_torch.load(hf_model("qwen3_moe", True, "bfloat16"), budget="25%")
-    maps = [buffer for layer in model.moestream.pools[0].rows.maps for buffer, _, _ in layer]
+    rows = model.moestream.residency.pools[0].rows
+    maps = [buffer for layer in rows.maps for buffer, _, _ in layer]
     assert all("nh" in vm_flags(buffer) for buffer in maps)
 
 
@@ -610,8 +611,8 @@ def test_evicted_experts_hand_their_memory_back_to_the_system(hf_model):
     model, _ = moestream_torch.load(hf_model("qwen3_moe"), budget="25%")
     run(model)
     runtime, kept = model.moestream, 0
-    for layer, views in enumerate(runtime.pools[0].rows.views):
-        evicted = np.flatnonzero(runtime.slot_map(layer) < 0)
+    for layer, views in enumerate(runtime.residency.pools[0].rows.views):
+        evicted = np.flatnonzero(runtime.residency.slot_map(layer) < 0)
         kept += sum(bool(view[evicted].any()) for view in views.values())
     assert mlx_moestream.stats(model)["evictions"] > 0 and kept == 0
 

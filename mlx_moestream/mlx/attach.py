@@ -25,17 +25,17 @@ def attach(runtime: Runtime, model: nn.Module, prefetch: bool = False,
     wrapped in `HostExperts`, whose exchanges the backend's watchdog times."""
     found = [(layer.path, _get_path(model, layer.path)) for layer in runtime.plan.layers]
     for i, (path, module) in enumerate(found):
-        for name, array in runtime.layer_pool[i].arrays.items():
+        for name, array in runtime.residency.layer_pool[i].arrays.items():
             _set_path(module, name, array)
-    if runtime.holds_all:
+    if runtime.residency.holds_all:
         runtime.read_all(progress)
         deferred = runtime.backend.deferred = DeferredRouting(runtime)
     streamed = []
     for i, (path, module) in enumerate(found):
         parent_path, attr = path.rsplit(".", 1)
         parent = _get_path(model, parent_path)
-        if runtime.holds_all:
-            row = runtime.slot_map(i)
+        if runtime.residency.holds_all:
+            row = runtime.residency.slot_map(i)
             slot_map = slot_ids(np.append(row, row[0]))  # masked ids: expert 0's slot
             experts = ResidentExperts(module, i, slot_map, deferred)
         else:

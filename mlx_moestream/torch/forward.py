@@ -40,7 +40,7 @@ class _StreamedExperts:
         self.waits = self.params[0][1].device.type != "cpu"  # reading ids from a GPU: a sync
         # a gradient reaches the experts only when none ever leaves its memory and the module
         # computes from it (not from a gathered copy)
-        self.trainable = runtime.holds_all and slots is None
+        self.trainable = runtime.residency.holds_all and slots is None
 
     def check(self) -> None:
         """Refuse experts moved, converted or changed in place since load."""
@@ -94,7 +94,7 @@ class _StreamedExperts:
         num_experts = self.runtime.plan.layers[self.layer].num_experts
         raise BudgetError(
             f"layer {self.layer}: a call routes to more experts than the budget holds at once "
-            f"({self.runtime.capacity(self.layer)} of {num_experts}); raise the budget")
+            f"({self.runtime.residency.capacity(self.layer)} of {num_experts}); raise the budget")
 
     def issued(self, output: torch.Tensor) -> None:
         """CUDA computes the output asynchronously; the slot copies wait for it (`DeviceSlots`)."""

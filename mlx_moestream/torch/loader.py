@@ -106,9 +106,9 @@ class TorchLoader:
         _refuse_converting(lm, streamed)
         _compile_every_layer(len(experts))
         # with every expert in its row for good, none is read again: a load into them lasts
-        if not (runtime.holds_all and self.rows):
+        if not (runtime.residency.holds_all and self.rows):
             _refuse_loading_experts(lm, streamed)
-        if runtime.holds_all:
+        if runtime.residency.holds_all:
             runtime.read_all(progress)
 
 

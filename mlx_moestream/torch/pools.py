@@ -151,7 +151,7 @@ class DeviceSlots(Backend):
         """Make each layer's pool its module's expert parameters, numbered by slot."""
         for i, layer in enumerate(runtime.plan.layers):
             module, _ = self.layers[layer.path]
-            pool = runtime.layer_pool[i]
+            pool = runtime.residency.layer_pool[i]
             for name, param in pool.params.items():
                 setattr(module, name, param)
             module.num_experts = pool.num_slots
