@@ -4,7 +4,8 @@ The backend computes a prediction (the next layer's router applied to the curren
 input) in the same host sync as the call's own routed ids, so a prediction costs no sync of
 its own. This module says when a layer call should predict (`wanted`), whether reading the
 prediction ahead pays (`worth_reading`), and scores it once the predicted layer is called;
-the runtime makes the reads (`Runtime.read_ahead`).
+the runtime makes the reads (`Runtime.read_ahead`). A trace has no router: `CoActivation`
+predicts there from the previous layer's experts (`replay --prefetch`).
 """
 
 from __future__ import annotations
@@ -83,3 +84,36 @@ class Prefetch:
         stats.routed_scored[layer] += len(routed)
         stats.predicted_routed[layer] += len(routed.intersection(predicted.tolist()))
         stats.prefetch_used[layer] += len(routed & self.ahead.pop(layer, set()))
+
+
+class CoActivation:
+    """Predicts a layer's experts from the previous layer's, where no router can: by decayed
+    counts of how often, within one token, expert a at layer l came with expert b at l + 1.
+
+    Learned online from the routing seen so far (`learn`); an observation `half_life_tokens`
+    tokens old counts half. Deterministic: ties go to the lower expert id.
+    """
+
+    def __init__(self, layers: int, num_experts: int, half_life_tokens: int = 256):
+        self.counts = np.zeros((max(layers - 1, 0), num_experts, num_experts))  # [l, a, b]
+        # a new observation weighs this much: growing, not decaying every count, each token
+        self.weight = 1.0
+        self.growth = 2.0 ** (1.0 / half_life_tokens)
+
+    def tick(self, tokens: int = 1) -> None:
+        """`tokens` new tokens: what was learned before weighs less."""
+        self.weight *= self.growth**tokens
+        if self.weight > 2.0**64:  # rescale everything before the floats overflow
+            self.counts /= self.weight
+            self.weight = 1.0
+
+    def learn(self, layer: int, experts: list[int], following: list[int]) -> None:
+        """One token routed to `experts` at `layer` and to `following` at `layer + 1`."""
+        self.counts[layer][np.ix_(experts, following)] += self.weight
+
+    def predict(self, layer: int, experts: list[int], n: int) -> np.ndarray:
+        """At most `n` experts of `layer + 1` for a token routed to `experts` at `layer`: the
+        highest summed counts, none never seen with them."""
+        scores = self.counts[layer][experts].sum(axis=0)
+        top = np.argsort(-scores, kind="stable")[:n]
+        return top[scores[top] > 0]

@@ -172,6 +172,22 @@ def test_plot_sweep_writes_nothing_without_matplotlib(tmp_path, monkeypatch):
     assert not (tmp_path / "sweep.png").exists()
 
 
+# --- reading ahead ---
+
+
+def test_coactivation_predicts_what_followed_and_halves_old_counts_each_half_life():
+    from mlx_moestream.prefetch import CoActivation
+
+    predictor = CoActivation(layers=2, num_experts=8, half_life_tokens=4)
+    assert predictor.predict(0, [1, 2], 3).tolist() == []  # nothing seen yet
+    predictor.learn(0, [1, 2], [5, 6])
+    predictor.tick(4)
+    predictor.learn(0, [1], [3])
+    assert predictor.predict(0, [1, 2], 3).tolist() == [5, 6, 3]  # 2 (0.5 each) against 1
+    assert predictor.predict(0, [1], 3).tolist() == [3, 5, 6]  # 1 against 0.5
+    assert predictor.predict(0, [7], 3).tolist() == []
+
+
 # --- trace files ---
 
 
