@@ -19,6 +19,7 @@ import numpy as np
 from .cache import ExpertCache, split_slots
 from .files import WRITER, atomic_write, check_replaceable, open_regular
 from .policies import Future, Policy, make_policy, policy_class
+from .prefetch import CoActivation, Prefetch
 from .profiles import Profile
 from .stats import Stats
 from .trace import Trace
@@ -35,6 +36,7 @@ def replay(
     per_layer: bool | Sequence[float] = False,
     profile: Profile | None = None,
     window_tokens: int = 32,
+    prefetch_reads: int | None = None,
 ) -> dict:
     """Replay `trace` with `policy` (a name, or a factory taking the capacity) and summarize.
 
@@ -59,15 +61,48 @@ def replay(
     `recovery_tokens` = t - s + 1 for the first t whose trailing-window hit rate is at least
     H - 0.02, the number of the new segment's tokens replayed until the cache has caught up;
     None if that never happens.
+
+    `prefetch_reads`: read ahead, at most that many experts per layer call. After each layer's
+    request the next layer's experts are predicted from this one's (`CoActivation`, learned
+    from the tokens replayed so far) and read through `ExpertCache.prefetch`, gated by the live
+    runtime's `Prefetch` (a layer whose predictions are poor stops reading); a read ahead is
+    taken to land before the next layer's call. `misses` then counts the demand misses alone
+    (reads a call waits for), and the result adds `prefetch_reads`, `reads_ahead`,
+    `reads_ahead_used` (hit before their eviction), `reads_ahead_wasted` (the others),
+    `prediction_precision`, `prediction_recall`, and the same replay without reading ahead:
+    `misses_without_prefetch`, `hit_rate_without_prefetch` and `misses_saved` (the share of
+    its misses that reading ahead saved). The LRU and Belady baselines never read ahead.
     """
     slots = capacity_slots(trace, capacity, per_layer)
+    _check_prefetch(policy, prefetch_reads)
     prepared = _Prepared(trace)
-    result = _summary(prepared, policy, slots, per_layer, profile, window_tokens)
-    baselines = {name: result for name in ("lru", "belady") if result["policy"] == name}
+    plain = _summary(prepared, policy, slots, per_layer, profile, window_tokens)
+    baselines = {name: plain for name in ("lru", "belady") if plain["policy"] == name}
     for name in ("lru", "belady"):
         if name not in baselines:
             baselines[name] = _summary(prepared, name, slots, per_layer, profile, window_tokens)
+    if prefetch_reads is None:
+        return _with_baselines(plain, baselines)
+    result = _summary(prepared, policy, slots, per_layer, profile, window_tokens, prefetch_reads)
+    result.update({
+        "misses_without_prefetch": plain["misses"],
+        "hit_rate_without_prefetch": plain["hit_rate"],
+        "misses_saved": 1 - result["misses"] / plain["misses"] if plain["misses"] else 0.0,
+    })
     return _with_baselines(result, baselines)
+
+
+def _check_prefetch(policy: PolicySpec, prefetch_reads: int | None) -> None:
+    """ValueError unless `prefetch_reads` is None or a count of at least 1, read ahead for a
+    live policy (an offline one is given the routing, not what was read ahead)."""
+    if prefetch_reads is None:
+        return
+    if isinstance(prefetch_reads, bool) or not isinstance(prefetch_reads, numbers.Integral) \
+            or prefetch_reads < 1:
+        raise ValueError(f"prefetch reads per layer call must be an int of at least 1, "
+                         f"got {prefetch_reads!r}")
+    if isinstance(policy, str) and policy_class(policy).offline:
+        raise ValueError(f"{policy} is offline: it cannot rank experts read ahead")
 
 
 def sweep(
@@ -239,8 +274,9 @@ class _Prepared:
                              trace.layers * trace.num_experts)
 
 
-def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile) -> tuple:
-    """Replay once: (stats, hits per token, name of the policy)."""
+def _cache(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
+           ) -> tuple[Stats, ExpertCache, str]:
+    """The statistics and the (pre-warmed) cache of one replay, and the policy's name."""
     trace = prepared.trace
     layers, num_experts = trace.layers, trace.num_experts
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
@@ -257,6 +293,13 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
         picks, _ = cache.prewarm_plan(profile, 1.0, 0.0, trace.top_k)
         for layer, expert in picks:
             cache.admit(layer, expert)
+    return stats, cache, name
+
+
+def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile) -> tuple:
+    """Replay once: (stats, hits per token, name of the policy)."""
+    stats, cache, name = _cache(prepared, policy, slots, per_layer, profile)
+    trace, layers = prepared.trace, prepared.trace.layers
     hits = np.zeros(trace.tokens, np.int64)
     request, tick, requests = cache.request, cache.tick, prepared.requests
     count, count_evictions = stats.count_request, stats.count_evictions
@@ -274,10 +317,67 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
     return stats, hits, name
 
 
-def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_tokens) -> dict:
+def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile,
+               reads: int) -> tuple:
+    """Replay once reading ahead (see `replay`): (stats, hits per token, name of the policy,
+    reads ahead, those used)."""
+    stats, cache, name = _cache(prepared, policy, slots, per_layer, profile)
+    trace, layers, num_experts = prepared.trace, prepared.trace.layers, prepared.trace.num_experts
+    hits = np.zeros(trace.tokens, np.int64)
+    predictor = CoActivation(layers, num_experts)
+    gate = Prefetch([cache] * layers, stats)
+    unused: set[int] = set()  # keys read ahead, resident, no call used yet
+    loaded = used = 0
+    requests = prepared.requests
+    for t in range(trace.tokens):
+        cache.tick(1)
+        stats.tick(1)
+        predictor.tick(1)
+        token_hits = 0
+        before: list[int] = []  # the experts of the latest layer this token routed to
+        for layer, experts in enumerate(requests[t * layers : (t + 1) * layers]):
+            gate.score(layer, experts)
+            if not experts:
+                before = []
+                continue
+            misses, hit, evicted = cache.request(layer, experts)
+            stats.count_request(layer, hit, len(misses))
+            stats.count_evictions(evicted)
+            unused.difference_update(evicted)
+            token_hits += hit
+            base = layer * num_experts
+            if unused:
+                keys = {base + e for e in experts}
+                used += len(unused & keys)
+                unused -= keys
+            if before:
+                predictor.learn(layer - 1, before, experts)
+            before = experts
+            if not gate.wanted(layer):
+                continue
+            predicted = predictor.predict(layer, experts, reads)
+            gate.reading = {base + e for e in experts}
+            if gate.worth_reading(layer, predicted):
+                ahead, evicted = cache.prefetch(layer + 1, predicted, gate.reading)
+                stats.count_evictions(evicted)
+                unused.difference_update(evicted)
+                gate.ahead[layer + 1] = {e for e, _ in ahead}
+                stats.prefetch_loads[layer + 1] += len(ahead)
+                loaded += len(ahead)
+                unused.update((layer + 1) * num_experts + e for e, _ in ahead)
+        hits[t] = token_hits
+    return stats, hits, name, loaded, used
+
+
+def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_tokens,
+             prefetch_reads: int | None = None) -> dict:
     trace = prepared.trace
     start = time.perf_counter()
-    stats, hits, name = _run(prepared, policy, slots, per_layer, profile)
+    if prefetch_reads is None:
+        stats, hits, name = _run(prepared, policy, slots, per_layer, profile)
+    else:
+        stats, hits, name, loaded, used = _run_ahead(prepared, policy, slots, per_layer, profile,
+                                                     prefetch_reads)
     seconds = time.perf_counter() - start
     total = stats.as_dict()
     out = {
@@ -295,6 +395,15 @@ def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_toke
         "hit_rate": total["hit_rate"],
         "accesses_per_second": (total["hits"] + total["misses"]) / seconds,
     }
+    if prefetch_reads is not None:
+        out.update({
+            "prefetch_reads": prefetch_reads,
+            "reads_ahead": loaded,
+            "reads_ahead_used": used,
+            "reads_ahead_wasted": loaded - used,
+            "prediction_precision": total["prediction_precision"],
+            "prediction_recall": total["prediction_recall"],
+        })
     if trace.segment_id is not None:
         out["segments"] = _segments(hits, prepared.accesses, trace.segment_id, window_tokens)
         out["recovery_tokens"] = [s["recovery_tokens"] for s in out["segments"][1:]]

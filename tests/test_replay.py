@@ -175,6 +175,20 @@ def test_plot_sweep_writes_nothing_without_matplotlib(tmp_path, monkeypatch):
 # --- reading ahead ---
 
 
+def _chained_trace(tokens=400, layers=4, num_experts=32, k=4, seed=0, chained=True) -> Trace:
+    """Random experts at layer 0; each next layer's are a fixed permutation of the previous
+    layer's (the strongest layer-to-layer co-activation), or, unchained, random too."""
+    rng = np.random.default_rng(seed)
+    experts = np.empty((tokens, layers, k), np.int16)
+    experts[:, 0] = [rng.choice(num_experts, k, replace=False) for _ in range(tokens)]
+    for layer in range(1, layers):
+        if chained:
+            experts[:, layer] = rng.permutation(num_experts)[experts[:, layer - 1]]
+        else:
+            experts[:, layer] = [rng.choice(num_experts, k, replace=False) for _ in range(tokens)]
+    return Trace(experts, num_experts)
+
+
 def test_coactivation_predicts_what_followed_and_halves_old_counts_each_half_life():
     from mlx_moestream.prefetch import CoActivation
 
@@ -186,6 +200,44 @@ def test_coactivation_predicts_what_followed_and_halves_old_counts_each_half_lif
     assert predictor.predict(0, [1, 2], 3).tolist() == [5, 6, 3]  # 2 (0.5 each) against 1
     assert predictor.predict(0, [1], 3).tolist() == [3, 5, 6]  # 1 against 0.5
     assert predictor.predict(0, [7], 3).tolist() == []
+
+
+def test_prefetch_stops_reading_ahead_for_layers_whose_predictions_are_poor():
+    chained = replay(_chained_trace(), "cyclic", 0.25, prefetch_reads=4)
+    unchained = replay(_chained_trace(chained=False), "cyclic", 0.25, prefetch_reads=4)
+    assert unchained["prediction_precision"] < 0.25 < chained["prediction_precision"]
+    assert unchained["reads_ahead"] < 0.2 * chained["reads_ahead"]
+
+
+@pytest.mark.parametrize("reads", [1, 2])
+def test_reads_ahead_per_layer_call_are_bounded_by_prefetch_reads(monkeypatch, reads):
+    from mlx_moestream.cache import ExpertCache
+
+    sizes = []
+    prefetch = ExpertCache.prefetch
+
+    def counted(self, layer, experts, protected):
+        loads, evicted = prefetch(self, layer, experts, protected)
+        sizes.append(len(loads))
+        return loads, evicted
+
+    monkeypatch.setattr(ExpertCache, "prefetch", counted)
+    result = replay(_chained_trace(), "cyclic", 0.25, prefetch_reads=reads)
+    assert max(sizes) == reads and sum(sizes) == result["reads_ahead"]
+
+
+def test_replay_with_prefetch_is_deterministic():
+    trace = _chained_trace(seed=1)
+    first, second = (replay(trace, "cyclic", 0.25, prefetch_reads=4) for _ in range(2))
+    first.pop("accesses_per_second")
+    second.pop("accesses_per_second")
+    assert first == second
+
+
+@pytest.mark.parametrize("reads", [0, -1, 1.5, True])
+def test_replay_refuses_prefetch_reads_that_are_not_a_count(reads):
+    with pytest.raises(ValueError, match="must be an int of at least 1"):
+        replay(_chained_trace(tokens=16), "cyclic", 0.5, prefetch_reads=reads)
 
 
 # --- trace files ---
