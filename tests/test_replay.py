@@ -189,6 +189,11 @@ def _chained_trace(tokens=400, layers=4, num_experts=32, k=4, seed=0, chained=Tr
     return Trace(experts, num_experts)
 
 
+def _replay_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlx_moestream", "replay", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_coactivation_predicts_what_followed_and_halves_old_counts_each_half_life():
     from mlx_moestream.prefetch import CoActivation
 
@@ -200,6 +205,18 @@ def test_coactivation_predicts_what_followed_and_halves_old_counts_each_half_lif
     assert predictor.predict(0, [1, 2], 3).tolist() == [5, 6, 3]  # 2 (0.5 each) against 1
     assert predictor.predict(0, [1], 3).tolist() == [3, 5, 6]  # 1 against 0.5
     assert predictor.predict(0, [7], 3).tolist() == []
+
+
+def test_prefetch_cuts_demand_misses_on_a_trace_with_layer_to_layer_coactivation(tmp_path):
+    _chained_trace().save(tmp_path / "t.npz")
+    out = _replay_cli(tmp_path / "t.npz", "--capacity", "0.25", "--prefetch", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["misses"] < 0.6 * result["misses_without_prefetch"]
+    assert result["misses_saved"] == 1 - result["misses"] / result["misses_without_prefetch"]
+    assert result["hit_rate"] > result["hit_rate_without_prefetch"]
+    assert result["reads_ahead_used"] > result["reads_ahead_wasted"]
+    assert result["reads_ahead"] == result["reads_ahead_used"] + result["reads_ahead_wasted"]
 
 
 def test_prefetch_stops_reading_ahead_for_layers_whose_predictions_are_poor():
@@ -234,10 +251,40 @@ def test_replay_with_prefetch_is_deterministic():
     assert first == second
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--prefetch", "--prefetch-reads", "0"],
+     "Error: Invalid value for '--prefetch-reads': 0 is not in the range x>=1."),
+    (["--prefetch", "--prefetch-reads", "two"],
+     "Error: Invalid value for '--prefetch-reads': 'two' is not a valid integer range."),
+    (["--prefetch-reads", "2"], "Error: --prefetch-reads limits --prefetch: give both"),
+    (["--prefetch", "--policy", "belady"],
+     "Error: belady is offline: it cannot rank experts read ahead"),
+])
+def test_bad_prefetch_options_are_a_one_line_error(tmp_path, args, error):
+    _chained_trace(tokens=16).save(tmp_path / "t.npz")
+    out = _replay_cli(tmp_path / "t.npz", *args)
+    assert out.returncode in (1, 2) and out.stdout == ""
+    assert out.stderr.splitlines()[-1] == error and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("reads", [0, -1, 1.5, True])
 def test_replay_refuses_prefetch_reads_that_are_not_a_count(reads):
     with pytest.raises(ValueError, match="must be an int of at least 1"):
         replay(_chained_trace(tokens=16), "cyclic", 0.5, prefetch_reads=reads)
+
+
+def test_replay_output_without_prefetch_is_unchanged(tmp_path):
+    synthetic_trace(200, 3, 32, 4, seed=5).save(tmp_path / "t.npz")
+    out = _replay_cli(tmp_path / "t.npz", "--capacity", "0.3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("  policy   slots  hit rate     lru  belady  evictions\n"
+                          "  cyclic      29    60.92%  54.96%  75.83%        909\n")
+    out = _replay_cli(tmp_path / "t.npz", "--capacity", "0.3", "--json")
+    assert list(json.loads(out.stdout)) == [
+        "policy", "capacity", "capacity_fraction", "per_layer", "tokens", "layers",
+        "num_experts", "top_k", "hits", "misses", "evictions", "hit_rate",
+        "accesses_per_second", "segments", "recovery_tokens", "lru_hit_rate",
+        "belady_hit_rate", "lru_recovery_tokens"]
 
 
 # --- trace files ---

@@ -33,7 +33,12 @@ def _capacity(text: str) -> int | float:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--sweep", is_flag=True, help="Every policy over a range of capacities.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="With --sweep: write a PNG plot.")
-def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep, plot):
+@click.option("--prefetch", is_flag=True,
+              help="Read each next layer's predicted experts ahead; count what it saves.")
+@click.option("--prefetch-reads", type=click.IntRange(1), metavar="N",
+              help="With --prefetch: most reads ahead per layer call.  [default: top-k]")
+def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep, plot, prefetch,
+           prefetch_reads):
     """Replay a routing trace through the runtime's cache policies; compare with LRU and Belady."""
     from .. import replay as rp
     from ..policies import POLICIES
@@ -41,6 +46,10 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
 
     if plot and not sweep:
         raise click.UsageError("--plot draws the --sweep: give both")
+    if prefetch_reads is not None and not prefetch:
+        raise click.UsageError("--prefetch-reads limits --prefetch: give both")
+    if prefetch and sweep:
+        raise click.UsageError("--prefetch replays one policy at one capacity: not with --sweep")
     try:
         if plot:  # checked before the sweep, not found unwritable after it
             rp.check_plot_target(plot)
@@ -55,7 +64,9 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
                           if rp.fits(trace, c, per_layer)]
             results = rp.sweep(trace, sorted(POLICIES), capacities or [1.0], per_layer, profile)
         else:
-            results = [rp.replay(trace, policy, _capacity(capacity), per_layer, profile)]
+            reads = (prefetch_reads or trace.top_k) if prefetch else None
+            results = [rp.replay(trace, policy, _capacity(capacity), per_layer, profile,
+                                 prefetch_reads=reads)]
     except ValueError as e:
         fail(e)
     if plot and not rp.plot_sweep(results, plot):
@@ -68,3 +79,10 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
     for r in results:
         click.echo(f"{r['policy']:>8} {r['capacity']:>7} {r['hit_rate']:>9.2%} "
                    f"{r['lru_hit_rate']:>7.2%} {r['belady_hit_rate']:>7.2%} {r['evictions']:>10}")
+    if prefetch:
+        r = results[0]
+        click.echo(f"prefetch: up to {r['prefetch_reads']} reads ahead per layer call; hit rate "
+                   f"{r['hit_rate_without_prefetch']:.2%} without; demand misses "
+                   f"{r['misses_without_prefetch']} -> {r['misses']} ({r['misses_saved']:.1%} "
+                   f"saved); {r['reads_ahead']} reads ahead, {r['reads_ahead_used']} used, "
+                   f"{r['reads_ahead_wasted']} wasted")
