@@ -131,7 +131,7 @@ def check_install(shell: Shell | None, part: str) -> None:
 
 def check_test_command(shell: Shell | None, part: str) -> None:
     """The test command itself (this suite): not run again here; .ci/run runs it."""
-    assert part == "python -m pytest -q"
+    assert part == "python -m pytest -q -n 2"
     assert ci_command().endswith(" && " + part)
 
 
