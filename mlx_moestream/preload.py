@@ -10,24 +10,22 @@ import time
 from contextlib import nullcontext
 from typing import Callable
 
-from .backend import SlotPool
-from .cache import ExpertCache
-from .plan import ModelPlan
 from .reads import Reads
+from .residency import Residency
 from .store import ExpertStore, Run
 
 Counted = list[tuple[int, int, float, int]]  # (layer, bytes, seconds, experts) of one read
 
 
-def read_all(plan: ModelPlan, store: ExpertStore, store_layer: list[int],
-             layer_cache: list[ExpertCache], layer_pool: list[SlotPool], reads: Reads,
-             progress: Callable | None = None) -> None:
+def read_all(residency: Residency, reads: Reads, progress: Callable | None = None) -> None:
     """Give every expert a slot and read it there, on the I/O threads of `reads`.
 
     A layer whose slots are one block in expert order is read in a few large reads in file
     order (`ExpertStore.plan_reads`), any other (a repacked copy, a pool placing experts
     otherwise) expert by expert. `progress(items, label)` may wrap the reads.
     """
+    plan, store, store_layer = residency.plan, residency.store, residency.store_layer
+    layer_cache, layer_pool = residency.layer_cache, residency.layer_pool
     jobs, in_runs = [], {}  # store layer -> (layer, destination) of those read in runs
     for layer in range(plan.num_layers):
         slots = layer_cache[layer].admit_layer(layer)

@@ -320,14 +320,14 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
 def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile,
                reads: int) -> tuple:
     """Replay once reading ahead (see `replay`): (stats, hits per token, name of the policy,
-    reads ahead, those used)."""
+    reads ahead that a call used before their eviction)."""
     stats, cache, name = _cache(prepared, policy, slots, per_layer, profile)
     trace, layers, num_experts = prepared.trace, prepared.trace.layers, prepared.trace.num_experts
     hits = np.zeros(trace.tokens, np.int64)
     predictor = CoActivation(layers, num_experts)
     gate = Prefetch([cache] * layers, stats)
     unused: set[int] = set()  # keys read ahead, resident, no call used yet
-    loaded = used = 0
+    used = 0
     requests = prepared.requests
     for t in range(trace.tokens):
         cache.tick(1)
@@ -363,10 +363,9 @@ def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, p
                 unused.difference_update(evicted)
                 gate.ahead[layer + 1] = {e for e, _ in ahead}
                 stats.prefetch_loads[layer + 1] += len(ahead)
-                loaded += len(ahead)
                 unused.update((layer + 1) * num_experts + e for e, _ in ahead)
         hits[t] = token_hits
-    return stats, hits, name, loaded, used
+    return stats, hits, name, used
 
 
 def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_tokens,
@@ -376,8 +375,8 @@ def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_toke
     if prefetch_reads is None:
         stats, hits, name = _run(prepared, policy, slots, per_layer, profile)
     else:
-        stats, hits, name, loaded, used = _run_ahead(prepared, policy, slots, per_layer, profile,
-                                                     prefetch_reads)
+        stats, hits, name, used = _run_ahead(prepared, policy, slots, per_layer, profile,
+                                             prefetch_reads)
     seconds = time.perf_counter() - start
     total = stats.as_dict()
     out = {
@@ -396,6 +395,7 @@ def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_toke
         "accesses_per_second": (total["hits"] + total["misses"]) / seconds,
     }
     if prefetch_reads is not None:
+        loaded = int(stats.prefetch_loads.sum())
         out.update({
             "prefetch_reads": prefetch_reads,
             "reads_ahead": loaded,

@@ -12,6 +12,7 @@ from .cache import ExpertCache
 from .plan import ModelPlan
 from .prewarming import Prewarmer
 from .reads import Reads
+from .residency import Residency
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,9 @@ class RuntimeState:
     free_slots: tuple[tuple[int, ...], ...]  # per slot pool, the slots no expert holds
 
 
-def runtime_state(plan: ModelPlan, caches: list[ExpertCache], layer_cache: list[ExpertCache],
-                  reads: Reads) -> RuntimeState:
+def runtime_state(residency: Residency, reads: Reads) -> RuntimeState:
     """The snapshot `Runtime.state` returns."""
+    plan, caches, layer_cache = residency.plan, residency.caches, residency.layer_cache
     shape = (plan.num_layers, plan.num_experts)
     layers = range(plan.num_layers)
     return RuntimeState(

@@ -303,9 +303,7 @@ class Runtime:
 
     def read_all(self, progress: Callable | None = None) -> None:
         """Read every expert now, when each has a slot of its own (see `preload`)."""
-        residency = self.residency
-        preload.read_all(self.plan, self.store, residency.store_layer, residency.layer_cache,
-                         residency.layer_pool, self.reads, progress)
+        preload.read_all(self.residency, self.reads, progress)
 
     def prewarm(self, profile: Profile, share: float = 1.0, pin_share: float = 0.0,
                 progress: Callable | None = None) -> dict:
@@ -324,15 +322,14 @@ class Runtime:
             self._settle_counts()  # every resident expert with its load counted
             counted = self.stats.as_dict()
         return stats_report(counted, self.plan, self.residency.pools, self.residency.caches,
-                            self.prewarmer,
-                            self.budget_bytes, self.policy, self.prefetch is not None, self.host)
+                            self.prewarmer, self.budget_bytes, self.policy,
+                            self.prefetch is not None, self.host)
 
     def state(self) -> RuntimeState:
         """What the model holds now (resident, pinned, reads in flight, free slots), between
         layer calls: a snapshot that later calls do not change."""
         with self.lock:
-            return runtime_state(self.plan, self.residency.caches, self.residency.layer_cache,
-                                 self.reads)
+            return runtime_state(self.residency, self.reads)
 
     def forked(self) -> None:
         """In a child forked while the model was loaded (see `forks`): the I/O threads did not

@@ -13,6 +13,7 @@ import pytest
 from mlx_moestream.replay import _segments, capacity_slots, plot_sweep, replay, sweep, trace_profile
 from mlx_moestream.errors import TraceError
 from mlx_moestream.trace import Trace, TraceRecorder, synthetic_trace
+from test_bad_input import run_cli
 
 CAPACITIES = [0.1, 0.25, 0.5]
 
@@ -189,11 +190,6 @@ def _chained_trace(tokens=400, layers=4, num_experts=32, k=4, seed=0, chained=Tr
     return Trace(experts, num_experts)
 
 
-def _replay_cli(*args):
-    return subprocess.run([sys.executable, "-m", "mlx_moestream", "replay", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
-
-
 def test_coactivation_predicts_what_followed_and_halves_old_counts_each_half_life():
     from mlx_moestream.prefetch import CoActivation
 
@@ -209,7 +205,7 @@ def test_coactivation_predicts_what_followed_and_halves_old_counts_each_half_lif
 
 def test_prefetch_cuts_demand_misses_on_a_trace_with_layer_to_layer_coactivation(tmp_path):
     _chained_trace().save(tmp_path / "t.npz")
-    out = _replay_cli(tmp_path / "t.npz", "--capacity", "0.25", "--prefetch", "--json")
+    out = run_cli("replay", tmp_path / "t.npz", "--capacity", "0.25", "--prefetch", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["misses"] < 0.6 * result["misses_without_prefetch"]
@@ -262,7 +258,7 @@ def test_replay_with_prefetch_is_deterministic():
 ])
 def test_bad_prefetch_options_are_a_one_line_error(tmp_path, args, error):
     _chained_trace(tokens=16).save(tmp_path / "t.npz")
-    out = _replay_cli(tmp_path / "t.npz", *args)
+    out = run_cli("replay", tmp_path / "t.npz", *args)
     assert out.returncode in (1, 2) and out.stdout == ""
     assert out.stderr.splitlines()[-1] == error and "Traceback" not in out.stderr
 
@@ -275,11 +271,11 @@ def test_replay_refuses_prefetch_reads_that_are_not_a_count(reads):
 
 def test_replay_output_without_prefetch_is_unchanged(tmp_path):
     synthetic_trace(200, 3, 32, 4, seed=5).save(tmp_path / "t.npz")
-    out = _replay_cli(tmp_path / "t.npz", "--capacity", "0.3")
+    out = run_cli("replay", tmp_path / "t.npz", "--capacity", "0.3")
     assert out.returncode == 0, out.stderr
     assert out.stdout == ("  policy   slots  hit rate     lru  belady  evictions\n"
                           "  cyclic      29    60.92%  54.96%  75.83%        909\n")
-    out = _replay_cli(tmp_path / "t.npz", "--capacity", "0.3", "--json")
+    out = run_cli("replay", tmp_path / "t.npz", "--capacity", "0.3", "--json")
     assert list(json.loads(out.stdout)) == [
         "policy", "capacity", "capacity_fraction", "per_layer", "tokens", "layers",
         "num_experts", "top_k", "hits", "misses", "evictions", "hit_rate",
@@ -406,8 +402,7 @@ def test_unreadable_trace_files_raise_trace_error(tmp_path):
 
 
 def test_replaying_a_device_says_it_is_not_a_trace_and_never_offers_to_unpickle():
-    out = subprocess.run([sys.executable, "-m", "mlx_moestream", "replay", "/dev/zero"],
-                         capture_output=True, text=True, timeout=60)
+    out = run_cli("replay", "/dev/zero")
     assert out.returncode == 1
     assert out.stderr == "Error: /dev/zero: not a readable trace .npz (not a regular file)\n"
 
