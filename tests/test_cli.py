@@ -224,6 +224,27 @@ def test_help_and_version_start_without_importing_mlx():
     assert "mlx-moestream, version" in out.stdout
 
 
+def test_a_chat_on_the_mlx_backend_starts_without_importing_torch(tiny_model):
+    out = subprocess.run([sys.executable, "-X", "importtime", *CLI[1:], "chat", "-m",
+                          tiny_model("qwen3_moe"), "--prompt", "hi", "-n", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines()}
+    assert "mlx_lm" in imported and "transformers" in imported
+    assert "torch" not in imported
+
+
+def test_a_program_that_calls_main_keeps_torch_importable(tiny_model):
+    model = str(tiny_model("qwen3_moe"))
+    code = ("from click.testing import CliRunner; from mlx_moestream.cli import main; "
+            f"result = CliRunner().invoke(main, ['inspect', '-m', {model!r}]); "
+            "assert result.exit_code == 0, result.output; "
+            "import torch; print(torch.ones(2).sum().item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2.0"
+
+
 def test_the_backend_neutral_core_imports_with_mlx_and_torch_blocked():
     code = ("import sys\n"
             "for name in ('mlx', 'mlx_lm', 'torch', 'transformers'): sys.modules[name] = None\n"

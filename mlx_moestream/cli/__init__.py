@@ -13,7 +13,7 @@ import warnings
 import click
 
 from . import chat, inspect, profile, repack, replay, serve, top
-from .app import Commands, Interrupted, one_line_warning
+from .app import PROGRAM, Commands, Interrupted, one_line_warning
 from .stats_view import format_stats
 
 __all__ = ["format_stats", "main", "run"]
@@ -39,7 +39,7 @@ def run() -> None:
     where status 130 would run its next round.
     """
     try:
-        main()
+        main(obj=PROGRAM)
     except Interrupted:
         hook = sys.excepthook
         sys.excepthook = lambda kind, *rest: (None if issubclass(kind, KeyboardInterrupt)

@@ -128,6 +128,26 @@ def torch_backend() -> ModuleType:
     return moestream_torch
 
 
+PROGRAM = "mlx-moestream"  # `run` passes it as the root context's `obj`
+
+
+def mlx_backend() -> ModuleType:
+    """`mlx_moestream.mlx`, imported without torch when this process is the program.
+
+    transformers (mlx-lm's tokenizers) imports torch whenever it is installed, which takes
+    1.3 s of every start on a 2-core Xeon though no MLX command uses it. Run as the program
+    (`run`), a command marks torch absent, as Python marks a module that failed to import, so
+    transformers starts as it does where torch is not installed. A program that calls `main`
+    keeps its modules as they are.
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().obj == PROGRAM:
+        sys.modules.setdefault("torch", None)
+    from .. import mlx
+
+    return mlx
+
+
 def check_torch_model(backend: str, model: str | None) -> None:
     """Refuse the torch backend without `--model`: the embedded model is an MLX model."""
     if backend == "torch" and model is None:

@@ -15,7 +15,7 @@ from typing import Callable
 import click
 
 from .app import (Interrupted, Terminated, budget_option, check_torch_model, fail, finite,
-                  model_option, pin_share_option, policy_option, prefetch_option,
+                  mlx_backend, model_option, pin_share_option, policy_option, prefetch_option,
                   prewarm_share_option, profile_names, profile_option, progress, tell,
                   terminate_as_interrupt, torch_backend)
 from .replies import mlx_reply, torch_reply
@@ -80,12 +80,10 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
                                                  prefetch=prefetch, progress=progress)
             reply = partial(torch_reply, lm, tokenizer, max_tokens, temp)
         else:
-            from .. import mlx as mlx_backend
-
-            lm, tokenizer = mlx_backend.load(model, budget, policy, profile,
-                                             prewarm_share=prewarm_share, pin_share=pin_share,
-                                             per_layer=per_layer, prefetch=prefetch,
-                                             progress=progress, distributed=distributed)
+            lm, tokenizer = mlx_backend().load(model, budget, policy, profile,
+                                               prewarm_share=prewarm_share, pin_share=pin_share,
+                                               per_layer=per_layer, prefetch=prefetch,
+                                               progress=progress, distributed=distributed)
             reply = partial(mlx_reply, lm, tokenizer, max_tokens, temp)
         if distributed:
             _join_hosts(lm)
@@ -102,7 +100,7 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         history.extend([message, {"role": "assistant", "content": text}])
         click.echo(format_stats(session.stats(lm), timing, host=0 if distributed else None))
         if distributed:
-            click.echo(format_hosts(mlx_backend.host_stats(lm)))
+            click.echo(format_hosts(mlx_backend().host_stats(lm)))
 
     failed, stopped_by = None, None
     with terminate_as_interrupt() as ending:

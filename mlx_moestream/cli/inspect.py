@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..budget import format_bytes
-from .app import check_torch_model, fail, model_option, torch_backend
+from .app import check_torch_model, fail, mlx_backend, model_option, torch_backend
 
 
 @click.command()
@@ -22,7 +22,6 @@ from .app import check_torch_model, fail, model_option, torch_backend
 def inspect(model, as_json, hosts, backend):
     """Architecture, experts, bytes per expert, dense bytes and the minimum budget."""
     from ..hub import resolve_model_path
-    from ..mlx import load_lazy
 
     check_torch_model(backend, model)
     if backend == "torch" and hosts > 1:
@@ -33,7 +32,7 @@ def inspect(model, as_json, hosts, backend):
             info = {**plan.describe(), "min_budget_bytes": plan.budget_holding(),
                     "min_budget_bytes_per_layer": plan.budget_holding(per_layer=True)}
         else:
-            plan = load_lazy(resolve_model_path(model))[-1]
+            plan = mlx_backend().load_lazy(resolve_model_path(model))[-1]
             info = plan.describe()
         if hosts > 1:
             shares = [plan.host_share(h, hosts) for h in range(hosts)]

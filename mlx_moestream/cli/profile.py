@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..files import open_regular
-from .app import budget_option, fail, model_option
+from .app import budget_option, fail, mlx_backend, model_option
 
 if TYPE_CHECKING:
     from ..profiles import Profile
@@ -49,7 +49,6 @@ def profile_list():
 def profile_record(name, text_path, model, budget):
     """Record a workload's profile by running a text through the model (its counts are the
     same at every budget)."""
-    from .. import mlx as mlx_backend
     from .. import session
     from ..profiles import save_target
 
@@ -64,8 +63,9 @@ def profile_record(name, text_path, model, budget):
                 from None
         if not text.strip():
             raise ValueError(f"{text_path}: no text, so nothing to profile")
-        lm, tokenizer = mlx_backend.load(model, budget)
-        tokens = mlx_backend.run_text(lm, tokenizer, text)
+        backend = mlx_backend()
+        lm, tokenizer = backend.load(model, budget)
+        tokens = backend.run_text(lm, tokenizer, text)
         click.echo(f"{tokens} tokens: {session.save_profile(lm, target)}")
     except (ValueError, OSError) as e:
         fail(e)

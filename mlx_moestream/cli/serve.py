@@ -15,9 +15,10 @@ import sys
 
 import click
 
-from .app import (Interrupted, Terminated, budget_option, fail, finite, model_option,
-                  pin_share_option, policy_option, prefetch_option, prewarm_share_option,
-                  profile_names, profile_option, tell, terminate_as_interrupt)
+from .app import (Interrupted, Terminated, budget_option, fail, finite, mlx_backend,
+                  model_option, pin_share_option, policy_option, prefetch_option,
+                  prewarm_share_option, profile_names, profile_option, tell,
+                  terminate_as_interrupt)
 
 
 @click.command()
@@ -80,6 +81,7 @@ def serve(model, budget, policy, profiles, prewarm_share, pin_share, save_every,
         kv_group_size=64, quantized_kv_start=0, pipeline=False)
     try:
         target = save_target(to_save[0]) if to_save else None
+        mlx_backend()  # first, so that the server's imports leave torch out
         from ..mlx.server import make_server, serve as serve_forever
 
         server, generator = make_server(cli_args, dict(
