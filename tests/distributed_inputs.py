@@ -6,6 +6,8 @@ Each host prints, in one line, the tokens it generated or its error."""
 
 import sys
 
+sys.modules["torch"] = None  # hosts run MLX alone: transformers starts as without torch
+
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler

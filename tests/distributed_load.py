@@ -4,6 +4,8 @@ its error, in one line."""
 
 import sys
 
+sys.modules["torch"] = None  # hosts run MLX alone: transformers starts as without torch
+
 import mlx.core as mx
 
 import mlx_moestream

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+sys.modules["torch"] = None  # hosts run MLX alone: transformers starts as without torch
+
 import mlx_moestream
 from mlx_moestream.cli import user_input
 from mlx_moestream.errors import StoreError

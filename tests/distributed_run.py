@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.modules["torch"] = None  # hosts run MLX alone: transformers starts as without torch
+
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import generate_step
