@@ -16,6 +16,7 @@ import threading
 from http.server import ThreadingHTTPServer
 from typing import Callable
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_system_fingerprint
 from mlx_lm.utils import load as mlx_lm_load
@@ -120,7 +121,15 @@ class StreamedModelProvider(ModelProvider):
 
 
 class StreamedResponseGenerator(ResponseGenerator):
-    """Stock's generator refusing a prompt longer than the model's context."""
+    """Stock's generator refusing a prompt longer than the model's context, whose thread
+    destroys its MLX streams before it ends."""
+
+    def _run_generate(self):
+        try:
+            super()._run_generate()
+        finally:
+            # left to the thread's exit, MLX's teardown could abort the process as it exits
+            mx.clear_streams()
 
     def _tokenize(self, tokenizer, request, args):
         tokenized = super()._tokenize(tokenizer, request, args)
