@@ -37,6 +37,7 @@ def replay(
     profile: Profile | None = None,
     window_tokens: int = 32,
     prefetch_reads: int | None = None,
+    read_time: float | None = None,
 ) -> dict:
     """Replay `trace` with `policy` (a name, or a factory taking the capacity) and summarize.
 
@@ -72,9 +73,17 @@ def replay(
     `prediction_precision`, `prediction_recall`, and the same replay without reading ahead:
     `misses_without_prefetch`, `hit_rate_without_prefetch` and `misses_saved` (the share of
     its misses that reading ahead saved). The LRU and Belady baselines never read ahead.
+
+    `read_time` (with `prefetch_reads`): drop the assumption that reads ahead land in time. One
+    disk serves every read in the order asked, each taking `read_time` layer computes; a call
+    waits for its demand reads and for its reads ahead still in flight, then computes for one.
+    The result adds `read_time`, `reads_ahead_late` (used before they landed),
+    `time_per_token` and `stall_per_token` in layer computes, the same without reading ahead
+    (`time_per_token_without_prefetch`, `stall_per_token_without_prefetch`: each call's demand
+    reads alone) and `speedup`, the ratio of the two times.
     """
     slots = capacity_slots(trace, capacity, per_layer)
-    _check_prefetch(policy, prefetch_reads)
+    _check_prefetch(policy, prefetch_reads, read_time)
     prepared = _Prepared(trace)
     plain = _summary(prepared, policy, slots, per_layer, profile, window_tokens)
     baselines = {name: plain for name in ("lru", "belady") if plain["policy"] == name}
@@ -83,18 +92,34 @@ def replay(
             baselines[name] = _summary(prepared, name, slots, per_layer, profile, window_tokens)
     if prefetch_reads is None:
         return _with_baselines(plain, baselines)
-    result = _summary(prepared, policy, slots, per_layer, profile, window_tokens, prefetch_reads)
+    result = _summary(prepared, policy, slots, per_layer, profile, window_tokens, prefetch_reads,
+                      read_time)
     result.update({
         "misses_without_prefetch": plain["misses"],
         "hit_rate_without_prefetch": plain["hit_rate"],
         "misses_saved": 1 - result["misses"] / plain["misses"] if plain["misses"] else 0.0,
     })
+    if read_time is not None:  # without reads ahead the disk is idle when each call starts
+        stall = plain["misses"] * read_time / trace.tokens
+        result["stall_per_token_without_prefetch"] = stall
+        result["time_per_token_without_prefetch"] = prepared.calls / trace.tokens + stall
+        result["speedup"] = (result["time_per_token_without_prefetch"]
+                             / result["time_per_token"])
     return _with_baselines(result, baselines)
 
 
-def _check_prefetch(policy: PolicySpec, prefetch_reads: int | None) -> None:
+def _check_prefetch(policy: PolicySpec, prefetch_reads: int | None,
+                    read_time: float | None) -> None:
     """ValueError unless `prefetch_reads` is None or a count of at least 1, read ahead for a
-    live policy (an offline one is given the routing, not what was read ahead)."""
+    live policy (an offline one is given the routing, not what was read ahead), and
+    `read_time` is None or, with `prefetch_reads`, a finite time above 0."""
+    if read_time is not None:
+        if prefetch_reads is None:
+            raise ValueError("a read time times the reads ahead: give prefetch reads too")
+        if isinstance(read_time, bool) or not isinstance(read_time, numbers.Real) \
+                or not 0 < read_time < math.inf:
+            raise ValueError(f"the read time must be a finite number of layer computes above "
+                             f"0, got {read_time!r}")
     if prefetch_reads is None:
         return
     if isinstance(prefetch_reads, bool) or not isinstance(prefetch_reads, numbers.Integral) \
@@ -269,6 +294,7 @@ class _Prepared:
         flat, ends = ids[valid].tolist(), np.cumsum(sizes.ravel()).tolist()
         self.requests = [flat[a:b] for a, b in zip([0] + ends, ends)]  # token-major lists
         self.accesses = sizes.sum(axis=1)  # per token
+        self.calls = int((sizes > 0).sum())  # layer calls that route to an expert
         layer = np.arange(trace.layers)[None, :, None]
         self.future = Future((layer * trace.num_experts + ids)[valid],
                              trace.layers * trace.num_experts)
@@ -318,10 +344,11 @@ def _run(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
 
 
 def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile,
-               reads: int) -> tuple:
+               reads: int, read_time: float | None) -> tuple:
     """Replay once reading ahead (see `replay`): (stats, hits per token, name of the policy,
-    reads ahead that a call used before their eviction)."""
+    reads ahead that a call used before their eviction, the `_Disk` or None)."""
     stats, cache, name = _cache(prepared, policy, slots, per_layer, profile)
+    disk = None if read_time is None else _Disk(read_time)
     trace, layers, num_experts = prepared.trace, prepared.trace.layers, prepared.trace.num_experts
     hits = np.zeros(trace.tokens, np.int64)
     predictor = CoActivation(layers, num_experts)
@@ -346,6 +373,9 @@ def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, p
             unused.difference_update(evicted)
             token_hits += hit
             base = layer * num_experts
+            if disk is not None:
+                disk.forget(evicted)
+                disk.call([base + e for e in experts], len(misses))
             if unused:
                 keys = {base + e for e in experts}
                 used += len(unused & keys)
@@ -364,19 +394,62 @@ def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, p
                 gate.ahead[layer + 1] = {e for e, _ in ahead}
                 stats.prefetch_loads[layer + 1] += len(ahead)
                 unused.update((layer + 1) * num_experts + e for e, _ in ahead)
+                if disk is not None:
+                    disk.forget(evicted)
+                    disk.read_ahead((layer + 1) * num_experts + e for e, _ in ahead)
         hits[t] = token_hits
-    return stats, hits, name, used
+    return stats, hits, name, used, disk
+
+
+class _Disk:
+    """Time in layer computes on one disk that serves reads in the order asked, each taking
+    `read_time`; a call waits for its reads, then computes for one, while the reads ahead it
+    asks for are served."""
+
+    def __init__(self, read_time: float):
+        self.read_time = read_time
+        self.computing = 0.0  # when the latest call's compute started
+        self.clock = 0.0  # when it ends
+        self.free = 0.0  # when the disk has served every read asked so far
+        self.landing: dict[int, float] = {}  # keys read ahead, not used yet: when they land
+        self.late = 0  # reads ahead a call waited for
+        self.stall = 0.0
+
+    def forget(self, evicted) -> None:
+        """Keys evicted: a read of theirs still in flight serves no call."""
+        for key in evicted:
+            self.landing.pop(key, None)
+
+    def call(self, keys: list[int], demand: int) -> None:
+        """A layer call on `keys`, `demand` of them read now: wait until all are resident."""
+        ready = self.clock
+        for key in keys:
+            lands = self.landing.pop(key, None)
+            if lands is not None and lands > self.clock:
+                self.late += 1
+                ready = max(ready, lands)
+        if demand:
+            self.free = max(self.free, self.clock) + demand * self.read_time
+            ready = max(ready, self.free)
+        self.stall += ready - self.clock
+        self.computing, self.clock = ready, ready + 1.0
+
+    def read_ahead(self, keys) -> None:
+        """Reads asked for as the latest call's compute starts."""
+        for key in keys:
+            self.free = max(self.free, self.computing) + self.read_time
+            self.landing[key] = self.free
 
 
 def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_tokens,
-             prefetch_reads: int | None = None) -> dict:
+             prefetch_reads: int | None = None, read_time: float | None = None) -> dict:
     trace = prepared.trace
     start = time.perf_counter()
     if prefetch_reads is None:
         stats, hits, name = _run(prepared, policy, slots, per_layer, profile)
     else:
-        stats, hits, name, used = _run_ahead(prepared, policy, slots, per_layer, profile,
-                                             prefetch_reads)
+        stats, hits, name, used, disk = _run_ahead(prepared, policy, slots, per_layer,
+                                                   profile, prefetch_reads, read_time)
     seconds = time.perf_counter() - start
     total = stats.as_dict()
     out = {
@@ -404,6 +477,13 @@ def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_toke
             "prediction_precision": total["prediction_precision"],
             "prediction_recall": total["prediction_recall"],
         })
+        if disk is not None:
+            out.update({
+                "read_time": read_time,
+                "reads_ahead_late": disk.late,
+                "time_per_token": disk.clock / trace.tokens,
+                "stall_per_token": disk.stall / trace.tokens,
+            })
     if trace.segment_id is not None:
         out["segments"] = _segments(hits, prepared.accesses, trace.segment_id, window_tokens)
         out["recovery_tokens"] = [s["recovery_tokens"] for s in out["segments"][1:]]

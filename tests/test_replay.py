@@ -1,7 +1,9 @@
 """Routing traces (format, recorder, synthetic workloads) and replay of policies over them."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -255,6 +257,11 @@ def test_replay_with_prefetch_is_deterministic():
     (["--prefetch-reads", "2"], "Error: --prefetch-reads limits --prefetch: give both"),
     (["--prefetch", "--policy", "belady"],
      "Error: belady is offline: it cannot rank experts read ahead"),
+    (["--read-time", "1"], "Error: --read-time times --prefetch: give both"),
+    (["--prefetch", "--read-time", "0"],
+     "Error: Invalid value for '--read-time': 0.0 is not in the range x>0."),
+    (["--prefetch", "--read-time", "nan"],
+     "Error: Invalid value for '--read-time': nan is not a finite number"),
 ])
 def test_bad_prefetch_options_are_a_one_line_error(tmp_path, args, error):
     _chained_trace(tokens=16).save(tmp_path / "t.npz")
@@ -267,6 +274,42 @@ def test_bad_prefetch_options_are_a_one_line_error(tmp_path, args, error):
 def test_replay_refuses_prefetch_reads_that_are_not_a_count(reads):
     with pytest.raises(ValueError, match="must be an int of at least 1"):
         replay(_chained_trace(tokens=16), "cyclic", 0.5, prefetch_reads=reads)
+
+
+def test_reads_ahead_that_fit_in_a_layer_s_compute_land_in_time_and_save_time(tmp_path):
+    _chained_trace().save(tmp_path / "t.npz")
+    out = run_cli("replay", tmp_path / "t.npz", "--prefetch", "--prefetch-reads", "4",
+                  "--read-time", "0.25", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["reads_ahead"] > 0 and result["reads_ahead_late"] == 0
+    assert result["time_per_token"] == pytest.approx(result["layers"] + result["stall_per_token"])
+    assert result["time_per_token_without_prefetch"] == pytest.approx(
+        result["layers"] + result["misses_without_prefetch"] * 0.25 / result["tokens"])
+    assert result["speedup"] > 1.3
+
+
+def test_reads_ahead_on_a_disk_slower_than_compute_land_late_and_save_no_time():
+    result = replay(_chained_trace(), "cyclic", 0.25, prefetch_reads=4, read_time=4.0)
+    assert result["reads_ahead_late"] > 0.9 * result["reads_ahead"]
+    assert result["speedup"] < 1.0
+
+
+def test_replay_prints_the_time_per_token_with_and_without_reading_ahead(tmp_path):
+    _chained_trace(tokens=16).save(tmp_path / "t.npz")
+    out = run_cli("replay", tmp_path / "t.npz", "--prefetch", "--read-time", "0.5")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^time per token at 0.5 layer computes per read: \d+\.\d\d without, "
+                     r"\d+\.\d\d with \(\d\.\d{3}x\); \d+ reads ahead landed late$",
+                     out.stdout, re.M), out.stdout
+
+
+@pytest.mark.parametrize("read_time, prefetch_reads", [
+    (1.0, None), (0.0, 4), (-1.0, 4), (math.inf, 4), (math.nan, 4), (True, 4)])
+def test_replay_refuses_a_read_time_that_is_not_a_time_above_zero(read_time, prefetch_reads):
+    with pytest.raises(ValueError, match="read time"):
+        replay(_chained_trace(tokens=16), "cyclic", 0.5, prefetch_reads=prefetch_reads,
+               read_time=read_time)
 
 
 def test_replay_output_without_prefetch_is_unchanged(tmp_path):

@@ -74,7 +74,7 @@ prefetch_option = click.option(
 
 def finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     """Refuse NaN, which FloatRange lets through (every comparison with it is false), and inf."""
-    if not math.isfinite(value):
+    if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number")
     return value
 

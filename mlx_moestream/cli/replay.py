@@ -7,7 +7,7 @@ import json
 import click
 
 from ..policies import DEFAULT_POLICY
-from .app import fail
+from .app import fail, finite
 from .profile import load_profile
 
 
@@ -37,8 +37,11 @@ def _capacity(text: str) -> int | float:
               help="Read each next layer's predicted experts ahead; count what it saves.")
 @click.option("--prefetch-reads", type=click.IntRange(1), metavar="N",
               help="With --prefetch: most reads ahead per layer call.  [default: top-k]")
+@click.option("--read-time", type=click.FloatRange(0, min_open=True), callback=finite,
+              metavar="R", help="With --prefetch: time one expert's read as R layer computes "
+                                "on one disk; report the time per token with and without.")
 def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep, plot, prefetch,
-           prefetch_reads):
+           prefetch_reads, read_time):
     """Replay a routing trace through the runtime's cache policies; compare with LRU and Belady."""
     from .. import replay as rp
     from ..policies import POLICIES
@@ -48,6 +51,8 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
         raise click.UsageError("--plot draws the --sweep: give both")
     if prefetch_reads is not None and not prefetch:
         raise click.UsageError("--prefetch-reads limits --prefetch: give both")
+    if read_time is not None and not prefetch:
+        raise click.UsageError("--read-time times --prefetch: give both")
     if prefetch and sweep:
         raise click.UsageError("--prefetch replays one policy at one capacity: not with --sweep")
     try:
@@ -66,7 +71,7 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
         else:
             reads = (prefetch_reads or trace.top_k) if prefetch else None
             results = [rp.replay(trace, policy, _capacity(capacity), per_layer, profile,
-                                 prefetch_reads=reads)]
+                                 prefetch_reads=reads, read_time=read_time)]
     except ValueError as e:
         fail(e)
     if plot and not rp.plot_sweep(results, plot):
@@ -86,3 +91,8 @@ def replay(trace_path, policy, capacity, per_layer, profile_name, as_json, sweep
                    f"{r['misses_without_prefetch']} -> {r['misses']} ({r['misses_saved']:.1%} "
                    f"saved); {r['reads_ahead']} reads ahead, {r['reads_ahead_used']} used, "
                    f"{r['reads_ahead_wasted']} wasted")
+        if read_time is not None:
+            click.echo(f"time per token at {read_time:g} layer computes per read: "
+                       f"{r['time_per_token_without_prefetch']:.2f} without, "
+                       f"{r['time_per_token']:.2f} with ({r['speedup']:.3f}x); "
+                       f"{r['reads_ahead_late']} reads ahead landed late")
