@@ -5,11 +5,14 @@ policy over one shared pool and split per layer (evenly; a split below one token
 every layer is left out), and with Belady's offline optimum. For each trace and capacity:
 `best_other`, the best of LRU, LFU and SLRU (global or per layer), and `gap_closed` = (default -
 best_other) / (Belady - best_other), the share of the distance to the optimum that the default
-policy covers. `accesses_per_second` is each replay's speed.
+policy covers. `accesses_per_second` is each replay's speed. `--first N` also replays each
+trace's first N tokens alone (a short session from a cold cache), as `FILE first N`.
 
     python scripts/record_embedded_traces.py traces-embedded
     python scripts/bench_replay.py ../shared/traces traces-embedded --markdown tables.md \
         --plot docs/caching.png
+    python scripts/bench_replay.py ../shared/traces traces-embedded --first 64 --first 256 \
+        --first 1024
 """
 
 from __future__ import annotations
@@ -114,12 +117,14 @@ def plot(results: dict[str, dict], path: Path) -> bool:
                 type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--capacity", "capacities", type=float, multiple=True, default=CAPACITIES,
               show_default=True, help="Fractions of all (layer, expert) slots (repeatable).")
+@click.option("--first", "firsts", type=click.IntRange(1), multiple=True,
+              help="Also replay each trace's first N tokens alone (repeatable).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the tables as markdown here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write hit rate against capacity as a PNG here (needs matplotlib).")
-def main(folders: tuple[Path, ...], capacities: tuple[float, ...], markdown_path: Path | None,
-         plot_path: Path | None) -> None:
+def main(folders: tuple[Path, ...], capacities: tuple[float, ...], firsts: tuple[int, ...],
+         markdown_path: Path | None, plot_path: Path | None) -> None:
     """Replay every .npz trace in FOLDERS (default: ../shared/traces beside the checkout)."""
     folders = folders or (Path(__file__).resolve().parents[2] / "shared" / "traces",)
     if plot_path:
@@ -130,17 +135,23 @@ def main(folders: tuple[Path, ...], capacities: tuple[float, ...], markdown_path
     results = {}
     for path in sorted(p for folder in folders for p in folder.glob("*.npz")):
         click.echo(f"replaying {path.name}", err=True)
-        trace = Trace.load(path)
-        results[path.name] = {"tokens": trace.tokens, "layers": trace.layers,
-                              "num_experts": trace.num_experts, "top_k": trace.top_k,
-                              "rows": bench_trace(trace, sorted(capacities))}
+        whole = Trace.load(path)
+        cuts = [(f"{path.name} first {n}", Trace(whole.experts[:n], whole.num_experts))
+                for n in sorted(set(firsts)) if n < whole.tokens]
+        for name, trace in [(path.name, whole), *cuts]:
+            results[name] = {"tokens": trace.tokens, "layers": trace.layers,
+                             "num_experts": trace.num_experts, "top_k": trace.top_k,
+                             "rows": bench_trace(trace, sorted(capacities))}
     if not results:
         raise click.ClickException(f"no .npz trace in {', '.join(map(str, folders))}")
     rows = [row for r in results.values() for row in r["rows"]]
     gaps = [row["gap_closed"] for row in rows if row["gap_closed"] is not None]
     summary = {"default": DEFAULT_POLICY,
                "mean_gap_closed": round(sum(gaps) / len(gaps), 3) if gaps else None,
-               "worst_vs_best_other_points": min(row["vs_best_other_points"] for row in rows)}
+               "worst_vs_best_other_points": min(row["vs_best_other_points"] for row in rows),
+               "rows_below_best_other_by_over_half_a_point": sum(
+                   row["vs_best_other_points"] < -0.5 for row in rows),
+               "rows": len(rows)}
     click.echo(json.dumps({"summary": summary, "traces": results}, indent=1))
     if markdown_path:
         atomic_write_text(markdown_path, markdown(results))

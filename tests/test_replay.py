@@ -633,6 +633,21 @@ def test_make_trace_refuses_a_target_it_cannot_write_in_one_line(tmp_path, targe
     assert (tmp_path / "notes.txt").read_text() == "not mine to replace"
 
 
+def test_bench_replay_also_replays_the_first_tokens_of_each_trace_alone(tmp_path):
+    synthetic_trace(64, 3, 16, 2, seed=3).save(tmp_path / "t.npz")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_replay.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), "--capacity", "0.5",
+                          "--first", "16", "--first", "64"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert list(result["traces"]) == ["t.npz", "t.npz first 16"]  # 64 is the whole trace
+    assert result["traces"]["t.npz first 16"]["tokens"] == 16
+    assert result["summary"]["rows"] == 2
+    worst = min(r["rows"][0]["vs_best_other_points"] for r in result["traces"].values())
+    assert result["summary"]["worst_vs_best_other_points"] == worst
+
+
 def test_bench_replay_tables_show_a_gap_closed_just_below_zero_as_0_percent():
     """Rounded with a format, -0.3% printed as '-0%' in docs/caching.md."""
     import importlib.util
