@@ -353,7 +353,7 @@ def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, p
     hits = np.zeros(trace.tokens, np.int64)
     predictor = CoActivation(layers, num_experts)
     gate = Prefetch([cache] * layers, stats)
-    unused: set[int] = set()  # keys read ahead, resident, no call used yet
+    unused: dict[int, float] = {}  # keys read ahead, resident, no call used yet: when they land
     used = 0
     requests = prepared.requests
     for t in range(trace.tokens):
@@ -370,16 +370,15 @@ def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, p
             misses, hit, evicted = cache.request(layer, experts)
             stats.count_request(layer, hit, len(misses))
             stats.count_evictions(evicted)
-            unused.difference_update(evicted)
+            for key in evicted:
+                unused.pop(key, None)
             token_hits += hit
             base = layer * num_experts
+            landing = [unused.pop(base + e) for e in experts if base + e in unused] if unused \
+                else []
+            used += len(landing)
             if disk is not None:
-                disk.forget(evicted)
-                disk.call([base + e for e in experts], len(misses))
-            if unused:
-                keys = {base + e for e in experts}
-                used += len(unused & keys)
-                unused -= keys
+                disk.call(landing, len(misses))
             if before:
                 predictor.learn(layer - 1, before, experts)
             before = experts
@@ -390,13 +389,13 @@ def _run_ahead(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, p
             if gate.worth_reading(layer, predicted):
                 ahead, evicted = cache.prefetch(layer + 1, predicted, gate.reading)
                 stats.count_evictions(evicted)
-                unused.difference_update(evicted)
+                for key in evicted:
+                    unused.pop(key, None)
                 gate.ahead[layer + 1] = {e for e, _ in ahead}
                 stats.prefetch_loads[layer + 1] += len(ahead)
-                unused.update((layer + 1) * num_experts + e for e, _ in ahead)
-                if disk is not None:
-                    disk.forget(evicted)
-                    disk.read_ahead((layer + 1) * num_experts + e for e, _ in ahead)
+                for e, _ in ahead:
+                    unused[(layer + 1) * num_experts + e] = (0.0 if disk is None
+                                                             else disk.read_ahead())
         hits[t] = token_hits
     return stats, hits, name, used, disk
 
@@ -408,37 +407,27 @@ class _Disk:
 
     def __init__(self, read_time: float):
         self.read_time = read_time
-        self.computing = 0.0  # when the latest call's compute started
-        self.clock = 0.0  # when it ends
+        self.clock = 0.0  # when the latest call's compute ends
         self.free = 0.0  # when the disk has served every read asked so far
-        self.landing: dict[int, float] = {}  # keys read ahead, not used yet: when they land
         self.late = 0  # reads ahead a call waited for
-        self.stall = 0.0
 
-    def forget(self, evicted) -> None:
-        """Keys evicted: a read of theirs still in flight serves no call."""
-        for key in evicted:
-            self.landing.pop(key, None)
-
-    def call(self, keys: list[int], demand: int) -> None:
-        """A layer call on `keys`, `demand` of them read now: wait until all are resident."""
+    def call(self, landing: list[float], demand: int) -> None:
+        """A layer call that uses reads ahead landing at `landing` and reads `demand` experts
+        now: wait until all are resident, then compute."""
         ready = self.clock
-        for key in keys:
-            lands = self.landing.pop(key, None)
-            if lands is not None and lands > self.clock:
+        for lands in landing:
+            if lands > self.clock:
                 self.late += 1
                 ready = max(ready, lands)
         if demand:
             self.free = max(self.free, self.clock) + demand * self.read_time
             ready = max(ready, self.free)
-        self.stall += ready - self.clock
-        self.computing, self.clock = ready, ready + 1.0
+        self.clock = ready + 1.0
 
-    def read_ahead(self, keys) -> None:
-        """Reads asked for as the latest call's compute starts."""
-        for key in keys:
-            self.free = max(self.free, self.computing) + self.read_time
-            self.landing[key] = self.free
+    def read_ahead(self) -> float:
+        """A read asked for as the latest call's compute starts: when it lands."""
+        self.free = max(self.free, self.clock - 1.0) + self.read_time
+        return self.free
 
 
 def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_tokens,
@@ -482,7 +471,7 @@ def _summary(prepared: _Prepared, policy, slots, per_layer, profile, window_toke
                 "read_time": read_time,
                 "reads_ahead_late": disk.late,
                 "time_per_token": disk.clock / trace.tokens,
-                "stall_per_token": disk.stall / trace.tokens,
+                "stall_per_token": (disk.clock - prepared.calls) / trace.tokens,
             })
     if trace.segment_id is not None:
         out["segments"] = _segments(hits, prepared.accesses, trace.segment_id, window_tokens)
