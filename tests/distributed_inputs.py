@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: the hosts are fed
+"""Run by tests/test_distributed.py on two hosts over the ring backend: the hosts are fed
 apart, as a script that reads its prompt on each host, or seeds each host apart, feeds them:
 `tokens` (host 1's prompt has another token), `length` (host 1's prompt is a token shorter) or
 `seed` (each host samples with its own seed).

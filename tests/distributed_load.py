@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: each host loads the
+"""Run by tests/test_distributed.py on two hosts over the ring backend: each host loads the
 model and budget given for its rank (`PATH0 BUDGET0 PATH1 BUDGET1`) and prints `loaded` or
 its error, in one line."""
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: host 1 hangs,
+"""Run by tests/test_distributed.py on two hosts over the ring backend: host 1 hangs,
 exits after loading, or fails its first read (`read-error`); host 0 must end with a clear
 error, not wait forever, whatever it waits for: a forward call (`decode`), the hosts'
 statistics (`stats`), or its input line reaching the others (`line`, as `chat` sends it)."""

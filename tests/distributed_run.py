@@ -1,7 +1,6 @@
-"""Run by tests/test_distributed.py under `mlx.launch --backend ring -n 2`: loads a model with
+"""Run by tests/test_distributed.py on two hosts over the ring backend: loads a model with
 expert parallelism, checks it against single-process stock mlx-lm and writes its findings as
-JSON to FOLDER/i/host{rank}.json for the i-th model of the command line (mlx.launch forwards the
-hosts' output in pieces that can interleave within a line).
+JSON to FOLDER/i/host{rank}.json for the i-th model of the command line.
 
     distributed_run.py BUDGET FOLDER MODEL [MODEL ...]"""
 

@@ -20,9 +20,39 @@ LAUNCH = shutil.which("mlx.launch")
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 
 
-def launch(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([LAUNCH, "--backend", "ring", "-n", "2", sys.executable, *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+def ring_hosts(tmp_path, script, *args, timeout=120, grace=5) -> list[subprocess.CompletedProcess]:
+    """`python SCRIPT ARGS` on two hosts over the ring backend on this machine, started as
+    `mlx.launch --backend ring -n 2` starts them (a hostfile, MLX_RANK) but without its
+    launcher, which polls its hosts' pipes without pause (a core for as long as they run).
+    Each host runs to its own end; once one has failed, the other has `grace` seconds to end
+    by itself before it is killed (mlx.launch ends it at once)."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+    logs = [(tmp_path / f"host{rank}.out", tmp_path / f"host{rank}.err") for rank in range(2)]
+    hosts = []
+    for rank, (out, err) in enumerate(logs):  # files, not pipes: no host blocks on its output
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            hosts.append(subprocess.Popen(
+                [sys.executable, str(script), *map(str, args)], stdout=stdout, stderr=stderr,
+                env=os.environ | {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(host.poll() is None for host in hosts) and time.monotonic() < deadline:
+            if any(host.returncode for host in hosts):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.05)
+    finally:  # none left running after a timeout or a failure
+        for host in hosts:
+            host.kill()
+            host.wait()
+    return [subprocess.CompletedProcess(host.args, host.returncode, out.read_text(),
+                                        err.read_text())
+            for host, (out, err) in zip(hosts, logs)]
 
 
 ARCHS, BITS = ["qwen3_moe", "mixtral", "gpt_oss"], [None, 4]
@@ -35,8 +65,8 @@ def run_hosts(tiny_model, tmp_path_factory):
     {(arch, bits): (each host's findings in host order, the folder it wrote to)}."""
     models = {(arch, bits): tiny_model(arch, bits=bits) for arch in ARCHS for bits in BITS}
     folder = tmp_path_factory.mktemp("hosts")
-    out = launch(RUN, "60%", folder, *models.values())
-    assert out.returncode == 0, out.stderr[-3000:]
+    hosts = ring_hosts(folder, RUN, "60%", folder, *models.values(), timeout=300)
+    assert [host.returncode for host in hosts] == [0, 0], hosts[0].stderr[-3000:]
     runs = {}
     for i, key in enumerate(models):
         hosts = [json.loads(f.read_text()) for f in sorted((folder / str(i)).glob("host*.json"))]
@@ -79,12 +109,12 @@ def test_a_host_refuses_to_record_a_profile_or_a_trace(run_hosts):
     ("hang", "no answer from the other hosts for 3 s"),
     ("exit", "connection to a peer was lost"),
 ])
-def test_a_lost_host_ends_the_others_with_a_clear_error(tiny_model, mode, message, step):
+def test_a_lost_host_ends_the_others_with_a_clear_error(tiny_model, tmp_path, mode, message,
+                                                       step):
     start = time.monotonic()
-    out = launch(Path(__file__).with_name("distributed_lost_host.py"), tiny_model("qwen3_moe"),
-                 mode, step, timeout=120)
-    assert message in out.stderr  # mlx.launch itself exits 0: it reports each rank's code
-    assert "rank 0 exited with code 1" in out.stderr
+    host0, _ = ring_hosts(tmp_path, Path(__file__).with_name("distributed_lost_host.py"),
+                          tiny_model("qwen3_moe"), mode, step)
+    assert host0.returncode == 1 and message in host0.stderr, host0.stderr[-3000:]
     assert time.monotonic() - start < 60
 
 
@@ -103,15 +133,16 @@ def test_the_error_of_an_exchange_with_no_answer_starts_a_line_of_its_own():
                           "has stopped or cannot be reached\n")
 
 
-def load_on_hosts(path0, budget0, path1, budget1) -> list[str]:
+def load_on_hosts(tmp_path, path0, budget0, path1, budget1) -> list[str]:
     """Each host's line from `distributed_load.py`, in host order."""
-    out = launch(Path(__file__).with_name("distributed_load.py"), path0, budget0, path1, budget1,
-                 timeout=120)
-    return sorted(line for line in out.stdout.splitlines() if line.startswith("host "))
+    hosts = ring_hosts(tmp_path, Path(__file__).with_name("distributed_load.py"), path0, budget0,
+                       path1, budget1)
+    return [line for host in hosts for line in host.stdout.splitlines()
+            if line.startswith("host ")]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
-def test_a_distributed_load_leaves_the_page_cache(tiny_model):
+def test_a_distributed_load_leaves_the_page_cache(tiny_model, tmp_path):
     """Hosts compare a fingerprint of their checkpoints, read from the files (every tensor of
     at most 4 MiB whole): it was read after the load dropped the files' pages, and stayed."""
     from test_memory import _cached_bytes, _dropped
@@ -119,7 +150,7 @@ def test_a_distributed_load_leaves_the_page_cache(tiny_model):
     path = tiny_model("qwen3_moe")
     shard = path / "model.safetensors"
     _dropped(shard)
-    assert load_on_hosts(path, "50%", path, "50%") == ["host 0: loaded", "host 1: loaded"]
+    assert load_on_hosts(tmp_path, path, "50%", path, "50%") == ["host 0: loaded", "host 1: loaded"]
     assert _cached_bytes(shard) <= shard.stat().st_size // 20
 
 
@@ -138,33 +169,9 @@ def test_hosts_with_different_checkpoints_refuse_to_run(tiny_model, tmp_path, ch
         else:
             settings["chat_template"] = "{{ messages[0]['content'] }}"
         (other / change).write_text(json.dumps(settings))
-    lines = load_on_hosts(path, "60%", other, "60%")
+    lines = load_on_hosts(tmp_path, path, "60%", other, "60%")
     assert len(lines) == 2
     assert all("host 1 has another checkpoint than host 0" in line for line in lines), lines
-
-
-def ring_hosts(tmp_path, *args, timeout=120) -> list[subprocess.CompletedProcess]:
-    """Two hosts over the ring backend as `mlx.launch` starts them, but each run to its own end:
-    mlx.launch ends every host as soon as one exits with an error, which may be before another
-    ends by itself."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
-    hosts = [subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=os.environ | {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)})
-             for rank in range(2)]
-    try:
-        outs = [host.communicate(timeout=timeout) for host in hosts]
-    finally:  # none left running after a timeout
-        for host in hosts:
-            host.kill()
-    return [subprocess.CompletedProcess(host.args, host.returncode, *out)
-            for host, out in zip(hosts, outs)]
 
 
 def test_a_read_error_on_one_host_ends_every_host_in_one_line(tiny_model, tmp_path):
@@ -179,14 +186,16 @@ def test_a_read_error_on_one_host_ends_every_host_in_one_line(tiny_model, tmp_pa
 
 
 @pytest.mark.parametrize("mode, after", [("tokens", 0), ("length", 0), ("seed", None)])
-def test_hosts_fed_other_tokens_refuse_the_call_on_every_host(tiny_model, mode, after):
+def test_hosts_fed_other_tokens_refuse_the_call_on_every_host(tiny_model, tmp_path, mode,
+                                                              after):
     """Each host's expert outputs were summed with those of another token's: wrong outputs on
     every host (of other lengths: outputs of other shapes). Sampling seeded apart feeds each
     host its own token from the next call on."""
-    out = launch(Path(__file__).with_name("distributed_inputs.py"), tiny_model("qwen3_moe"), mode,
-                 timeout=120)
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("host "))
-    assert len(lines) == 2, out.stderr
+    hosts = ring_hosts(tmp_path, Path(__file__).with_name("distributed_inputs.py"),
+                       tiny_model("qwen3_moe"), mode)
+    lines = [line for host in hosts for line in host.stdout.splitlines()
+             if line.startswith("host ")]
+    assert len(lines) == 2, hosts[0].stderr + hosts[1].stderr
     counts = set()
     for host, line in enumerate(lines):
         assert line.startswith(f"host {host}: after "), lines
@@ -197,9 +206,9 @@ def test_hosts_fed_other_tokens_refuse_the_call_on_every_host(tiny_model, mode, 
     assert len(counts) == 1 and (after is None or counts == {after}), lines  # at the same call
 
 
-def test_a_load_failing_on_one_host_fails_every_host_in_one_line(tiny_model):
+def test_a_load_failing_on_one_host_fails_every_host_in_one_line(tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    lines = load_on_hosts(path, "60%", path, "1KiB")
+    lines = load_on_hosts(tmp_path, path, "60%", path, "1KiB")
     assert "could not load the model" in lines[0] and "host 1" in lines[0], lines
     assert "below the minimum" in lines[1], lines
 
