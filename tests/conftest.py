@@ -4,10 +4,15 @@ import shutil
 import sys
 from pathlib import Path
 
-import mlx_lm
-import pytest
+# OpenMP threads beyond an xdist worker's share of the cores spin-wait on cores others hold.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _WORKERS = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
-from mlx_moestream.testing import greedy_logits, make_tiny_moe
+import mlx_lm  # noqa: E402  (imports torch, through transformers, where it is installed)
+import pytest  # noqa: E402
+
+from mlx_moestream.testing import greedy_logits, make_tiny_moe  # noqa: E402
 
 # Commands the tests start (`mlx.launch`, `mlx-moestream`, `python`) are those of the venv whose
 # python runs the tests, as in the README's activated venv, whether or not that venv is activated.
