@@ -985,6 +985,12 @@ def test_gradients_with_every_expert_resident_equal_the_loaded_models(hf_model):
     assert all(torch.equal(g, stock.get_parameter(n).grad) for n, g in grads.items())
 
 
+def three_layer_model(tmp_path, dtype: str = "float32") -> Path:
+    """Compiles in a third less time than the 6-layer one, and `generate`'s 3 compiles a layer
+    (9) still pass dynamo's default limit of 8. Half of it is a whole layer's experts."""
+    return make_tiny_hf_moe(tmp_path / "m", "qwen3_moe", dtype=dtype, num_hidden_layers=3)
+
+
 def compiled_logits(lm) -> tuple[torch.Tensor, ...]:
     """Every step's logits of a greedy `generate` of `lm` with its forward compiled."""
     lm.forward = torch.compile(lm.forward)
@@ -994,28 +1000,28 @@ def compiled_logits(lm) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
                     reason="torch.compile's inductor needs a C compiler")
-def test_torch_compile_of_a_streamed_model_generates_as_stock_compiled(hf_model):
+def test_torch_compile_of_a_streamed_model_generates_as_stock_compiled(tmp_path):
     """Dynamo skips the streaming bookkeeping (numpy, a lock): inductor failed on the policy's
     numpy at the second call. The code after each experts call compiles once per layer and
     shape: past dynamo's default limit, decode steps ran eagerly, off stock's by ~1e-7."""
-    path = hf_model("qwen3_moe")
+    path = three_layer_model(tmp_path)
     stock = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model, _ = moestream_torch.load(path, budget="25%")
+    model, _ = moestream_torch.load(path, budget="50%")
     assert all(torch.equal(a, b) for a, b in zip(compiled_logits(stock), compiled_logits(model)))
 
 
 @pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
                     reason="torch.compile's inductor needs a C compiler")
 def test_torch_compile_in_bfloat16_generates_as_stock_compiled_when_inductor_rounds_as_eager(
-        hf_model, monkeypatch):
+        tmp_path, monkeypatch):
     """Inductor keeps bfloat16 intermediates of the kernels it fuses in float32, also across
     the experts call, which stock's graph holds and a streamed one breaks at: logits then differ
     by rounding (tokens did not here). With `emulate_precision_casts` it rounds them as eager
     does, and the two are equal."""
     monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
-    path = hf_model("qwen3_moe", dtype="bfloat16")
+    path = three_layer_model(tmp_path, "bfloat16")
     stock = transformers.AutoModelForCausalLM.from_pretrained(path)
-    model, _ = moestream_torch.load(path, budget="25%")
+    model, _ = moestream_torch.load(path, budget="50%")
     try:
         assert all(torch.equal(a, b)
                    for a, b in zip(compiled_logits(stock), compiled_logits(model)))
