@@ -701,6 +701,7 @@ def test_a_chat_whose_terminal_closed_saves_its_outputs_without_a_traceback(tiny
     while b"hit rate" not in shown:  # the first answer is done
         shown += os.read(terminal, 4096)
     chat.send_signal(signal.SIGSTOP)  # both land before it reads again, as when the terminal
+    os.waitpid(chat.pid, os.WUNTRACED)  # stopped, not still writing its prompt
     os.close(terminal)  # closes: its writes fail (EIO) and SIGHUP comes
     chat.send_signal(signal.SIGHUP)
     chat.send_signal(signal.SIGCONT)
