@@ -19,6 +19,12 @@ from mlx_moestream.testing import greedy_logits, make_tiny_moe  # noqa: E402
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked `long` first: run last, one xdist worker ran them while the others
+    had nothing left to run."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Build (once per session) a tiny model directory; same arguments give the same directory."""

@@ -998,6 +998,7 @@ def compiled_logits(lm) -> tuple[torch.Tensor, ...]:
                        return_dict_in_generate=True).logits
 
 
+@pytest.mark.long  # about a minute of compiling from an empty inductor cache
 @pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
                     reason="torch.compile's inductor needs a C compiler")
 def test_torch_compile_of_a_streamed_model_generates_as_stock_compiled(tmp_path):
@@ -1010,6 +1011,7 @@ def test_torch_compile_of_a_streamed_model_generates_as_stock_compiled(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(compiled_logits(stock), compiled_logits(model)))
 
 
+@pytest.mark.long  # about a minute of compiling from an empty inductor cache
 @pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
                     reason="torch.compile's inductor needs a C compiler")
 def test_torch_compile_in_bfloat16_generates_as_stock_compiled_when_inductor_rounds_as_eager(
