@@ -3,8 +3,10 @@ process. Prints JSON.
 
 Both streamed models are loaded once and warmed up; their passes then alternate (--repeats
 each), each a prompt and --tokens greedy decode tokens (`bench_overhead.decode_ms`). Counts are
-those of the timed tokens (read before and after them, outside the timing); prediction
-precision and recall are the whole session's, as `stats()` reports them.
+those of the timed tokens (read before and after them, outside the timing), the process's CPU
+time among them (every thread's: the I/O pool reads ahead on the cores compute would use);
+prediction precision and recall are the whole session's, as `stats()` reports them.
+`on_over_off_time` is the median of on's time over off's in passes run one after the other.
 
     python scripts/bench_prefetch.py --budget 30%
 """
@@ -15,6 +17,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -32,7 +35,8 @@ COUNTED = ("tokens", "hits", "misses", "demand_loads", "prefetch_loads", "prefet
 
 def counters(model) -> dict:
     s = mlx_moestream.stats(model)
-    return {**{k: s[k] for k in COUNTED}, "stall_s": s["stall_ms"] / 1e3}
+    return {**{k: s[k] for k in COUNTED}, "stall_s": s["stall_ms"] / 1e3,
+            "cpu_s": time.process_time()}
 
 
 def summary(model, ms: list[float], marks: list[dict]) -> dict:
@@ -48,6 +52,7 @@ def summary(model, ms: list[float], marks: list[dict]) -> dict:
         "prefetch_reads_per_token": round(timed["prefetch_loads"] / n, 3),
         "prefetch_used_per_token": round(timed["prefetch_used"] / n, 3),
         "read_stall_ms_per_token": round(timed["stall_s"] / n * 1e3, 3),
+        "cpu_ms_per_token": round(timed["cpu_s"] / n * 1e3, 3),
         "prediction_precision": s["prediction_precision"],
         "prediction_recall": s["prediction_recall"],
         "passes_ms": [round(m, 3) for m in ms],
@@ -79,6 +84,8 @@ def main(budget: str, tokens: int, skip: int, repeats: int) -> None:
         "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
         **{f"prefetch_{name}": summary(model, ms[name], marks[name])
            for name, model in models.items()},
+        "on_over_off_time": round(statistics.median(
+            on / off for off, on in zip(ms["off"], ms["on"])), 3),
     }, indent=1))
 
 
