@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,10 +13,11 @@ from pathlib import Path
 import pytest
 
 import mlx_moestream
+from test_serve import free_port
 
 RUN = Path(__file__).with_name("distributed_run.py")
 LAUNCH = shutil.which("mlx.launch")
-pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
+needs_launch = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 
 
 def ring_hosts(tmp_path, script, *args, timeout=120, grace=5) -> list[subprocess.CompletedProcess]:
@@ -26,13 +26,8 @@ def ring_hosts(tmp_path, script, *args, timeout=120, grace=5) -> list[subprocess
     launcher, which polls its hosts' pipes without pause (a core for as long as they run).
     Each host runs to its own end; once one has failed, the other has `grace` seconds to end
     by itself before it is killed (mlx.launch ends it at once)."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
     logs = [(tmp_path / f"host{rank}.out", tmp_path / f"host{rank}.err") for rank in range(2)]
     hosts = []
     for rank, (out, err) in enumerate(logs):  # files, not pipes: no host blocks on its output
@@ -55,6 +50,12 @@ def ring_hosts(tmp_path, script, *args, timeout=120, grace=5) -> list[subprocess
             for host, (out, err) in zip(hosts, logs)]
 
 
+def host_lines(hosts: list[subprocess.CompletedProcess]) -> list[str]:
+    """The lines the hosts printed that start with "host ", in host order."""
+    return [line for host in hosts for line in host.stdout.splitlines()
+            if line.startswith("host ")]
+
+
 ARCHS, BITS = ["qwen3_moe", "mixtral", "gpt_oss"], [None, 4]
 
 
@@ -65,8 +66,8 @@ def run_hosts(tiny_model, tmp_path_factory):
     {(arch, bits): (each host's findings in host order, the folder it wrote to)}."""
     models = {(arch, bits): tiny_model(arch, bits=bits) for arch in ARCHS for bits in BITS}
     folder = tmp_path_factory.mktemp("hosts")
-    hosts = ring_hosts(folder, RUN, "60%", folder, *models.values(), timeout=300)
-    assert [host.returncode for host in hosts] == [0, 0], hosts[0].stderr[-3000:]
+    done = ring_hosts(folder, RUN, "60%", folder, *models.values(), timeout=300)
+    assert [host.returncode for host in done] == [0, 0], done[0].stderr[-3000:]
     runs = {}
     for i, key in enumerate(models):
         hosts = [json.loads(f.read_text()) for f in sorted((folder / str(i)).glob("host*.json"))]
@@ -135,10 +136,8 @@ def test_the_error_of_an_exchange_with_no_answer_starts_a_line_of_its_own():
 
 def load_on_hosts(tmp_path, path0, budget0, path1, budget1) -> list[str]:
     """Each host's line from `distributed_load.py`, in host order."""
-    hosts = ring_hosts(tmp_path, Path(__file__).with_name("distributed_load.py"), path0, budget0,
-                       path1, budget1)
-    return [line for host in hosts for line in host.stdout.splitlines()
-            if line.startswith("host ")]
+    return host_lines(ring_hosts(tmp_path, Path(__file__).with_name("distributed_load.py"),
+                                 path0, budget0, path1, budget1))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise, mincore")
@@ -193,8 +192,7 @@ def test_hosts_fed_other_tokens_refuse_the_call_on_every_host(tiny_model, tmp_pa
     host its own token from the next call on."""
     hosts = ring_hosts(tmp_path, Path(__file__).with_name("distributed_inputs.py"),
                        tiny_model("qwen3_moe"), mode)
-    lines = [line for host in hosts for line in host.stdout.splitlines()
-             if line.startswith("host ")]
+    lines = host_lines(hosts)
     assert len(lines) == 2, hosts[0].stderr + hosts[1].stderr
     counts = set()
     for host, line in enumerate(lines):
@@ -219,6 +217,7 @@ def test_a_distributed_load_refuses_a_timeout_that_is_not_a_positive_number():
             mlx_moestream.load(None, distributed=True, timeout_seconds=bad)
 
 
+@needs_launch
 def test_chat_on_two_hosts_answers_once_with_every_host_s_statistics(tiny_model):
     out = subprocess.run([LAUNCH, "--backend", "ring", "-n", "2", "--", sys.executable, "-m",
                           "mlx_moestream.cli", "chat", "--model", str(tiny_model("qwen3_moe")),
@@ -229,6 +228,7 @@ def test_chat_on_two_hosts_answers_once_with_every_host_s_statistics(tiny_model)
     assert "host 0 experts, session so far: hit rate" in out.stdout  # not the whole model's
 
 
+@needs_launch
 def test_chat_whose_load_fails_on_one_host_ends_every_host_in_one_line(tiny_model):
     budget = '$([ "$MLX_RANK" = 1 ] && echo 1KiB || echo 60%)'  # too small on host 1 alone
     chat = (f"{sys.executable} -m mlx_moestream.cli chat --model {tiny_model('qwen3_moe')} "

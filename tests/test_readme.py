@@ -15,7 +15,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_serve import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -83,9 +83,7 @@ class Shell:
     def __init__(self, cwd: Path, tiny_model):
         self.cwd, self.tiny_model = cwd, tiny_model
         self.env = {**os.environ, "MLX_MOESTREAM_PROFILES": str(cwd), "HF_HUB_OFFLINE": "1"}
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = str(s.getsockname()[1])
+        self.port = str(free_port())
         self.background: list[subprocess.Popen] = []
 
     def local(self, text: str) -> str:
