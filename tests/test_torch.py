@@ -987,7 +987,8 @@ def test_gradients_with_every_expert_resident_equal_the_loaded_models(hf_model):
 
 def three_layer_model(tmp_path, dtype: str = "float32") -> Path:
     """Compiles in a third less time than the 6-layer one, and `generate`'s 3 compiles a layer
-    (9) still pass dynamo's default limit of 8. Half of it is a whole layer's experts."""
+    (9) still pass dynamo's default limit of 8. Streamed at 50%: 25% would not hold one
+    layer's experts, which this backend computes at once."""
     return make_tiny_hf_moe(tmp_path / "m", "qwen3_moe", dtype=dtype, num_hidden_layers=3)
 
 
