@@ -992,6 +992,27 @@ def three_layer_model(tmp_path, dtype: str = "float32") -> Path:
     return make_tiny_hf_moe(tmp_path / "m", "qwen3_moe", dtype=dtype, num_hidden_layers=3)
 
 
+def compiles(test):
+    """Mark a torch.compile test: about a minute of compiling from an empty inductor cache, run
+    first, and in the worker of the other compile tests (`--dist loadgroup`), where inductor's
+    start (its precompiled header, ~13 s) is paid once: both cost 91 s there, 133 s apart."""
+    for mark in (pytest.mark.long, pytest.mark.xdist_group("inductor"),
+                 pytest.mark.usefixtures("fresh_dynamo"),
+                 pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
+                                    reason="torch.compile's inductor needs a C compiler")):
+        test = mark(test)
+    return test
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compile as in a process of its own: dynamo's counts toward its recompile limit are per
+    code object, and the models' layers share theirs."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def compiled_logits(lm) -> tuple[torch.Tensor, ...]:
     """Every step's logits of a greedy `generate` of `lm` with its forward compiled."""
     lm.forward = torch.compile(lm.forward)
@@ -999,9 +1020,7 @@ def compiled_logits(lm) -> tuple[torch.Tensor, ...]:
                        return_dict_in_generate=True).logits
 
 
-@pytest.mark.long  # about a minute of compiling from an empty inductor cache
-@pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
-                    reason="torch.compile's inductor needs a C compiler")
+@compiles
 def test_torch_compile_of_a_streamed_model_generates_as_stock_compiled(tmp_path):
     """Dynamo skips the streaming bookkeeping (numpy, a lock): inductor failed on the policy's
     numpy at the second call. The code after each experts call compiles once per layer and
@@ -1012,9 +1031,7 @@ def test_torch_compile_of_a_streamed_model_generates_as_stock_compiled(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(compiled_logits(stock), compiled_logits(model)))
 
 
-@pytest.mark.long  # about a minute of compiling from an empty inductor cache
-@pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"),
-                    reason="torch.compile's inductor needs a C compiler")
+@compiles
 def test_torch_compile_in_bfloat16_generates_as_stock_compiled_when_inductor_rounds_as_eager(
         tmp_path, monkeypatch):
     """Inductor keeps bfloat16 intermediates of the kernels it fuses in float32, also across
@@ -1025,11 +1042,7 @@ def test_torch_compile_in_bfloat16_generates_as_stock_compiled_when_inductor_rou
     path = three_layer_model(tmp_path, "bfloat16")
     stock = transformers.AutoModelForCausalLM.from_pretrained(path)
     model, _ = moestream_torch.load(path, budget="50%")
-    try:
-        assert all(torch.equal(a, b)
-                   for a, b in zip(compiled_logits(stock), compiled_logits(model)))
-    finally:
-        torch._dynamo.reset()  # what was compiled under the setting goes with it
+    assert all(torch.equal(a, b) for a, b in zip(compiled_logits(stock), compiled_logits(model)))
 
 
 def test_dense_weights_do_not_change_when_their_shard_is_rewritten_after_load(hf_model, tmp_path):
