@@ -234,15 +234,27 @@ def test_a_chat_on_the_mlx_backend_starts_without_importing_torch(tiny_model):
     assert "torch" not in imported
 
 
-def test_a_program_that_calls_main_keeps_torch_importable(tiny_model):
+def test_a_program_that_calls_main_keeps_torch_importable_and_its_collector(tiny_model):
     model = str(tiny_model("qwen3_moe"))
-    code = ("from click.testing import CliRunner; from mlx_moestream.cli import main; "
+    code = ("import gc; from click.testing import CliRunner; from mlx_moestream.cli import main; "
             f"result = CliRunner().invoke(main, ['inspect', '-m', {model!r}]); "
             "assert result.exit_code == 0, result.output; "
-            "import torch; print(torch.ones(2).sum().item())")
+            "import torch; print(torch.ones(2).sum().item(), gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "2.0"
+    assert out.stdout.split() == ["2.0", "0"]
+
+
+def test_the_program_collects_without_walking_its_backend_s_modules(tiny_model):
+    """Full collections walked the objects mlx-lm and transformers import, which live as long
+    as the process; the program freezes them once imported, and collects what comes after."""
+    model = str(tiny_model("qwen3_moe"))
+    code = ("import gc; from mlx_moestream.cli import PROGRAM, main; "
+            f"main(['inspect', '-m', {model!r}], obj=PROGRAM, standalone_mode=False); "
+            "print(gc.get_freeze_count() > 10000, gc.isenabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "True True"
 
 
 def test_the_backend_neutral_core_imports_with_mlx_and_torch_blocked():

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import math
 import numbers
 import re
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +18,7 @@ from ..budget import available_memory_bytes
 from ..errors import ModelError
 from ..files import read_json
 from ..hub import check_tokenizer, resolve_model_path
-from ..pipeline import Opened, load_streamed
+from ..pipeline import Opened, gc_paused, load_streamed
 from ..plan import ModelPlan, check_layer_count
 from ..policies import DEFAULT_POLICY
 from ..profiles import Profile
@@ -180,20 +178,6 @@ class MLXLoader:
         mx.eval(self.model.parameters())  # the dense weights; experts left the tree
         if self.group is not None:  # before the load drops the files' pages
             self.digest = checkpoint_digest(self.path, runtime.store)
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Building a model makes tens of thousands of long-lived objects (modules, lazy arrays,
-    the tensor index), and the cyclic collector, triggered by those very allocations, walks
-    them again and again: 30% of the load of a model of 24k experts. None of it is garbage."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def run_text(model: nn.Module, tokenizer: TokenizerWrapper, text: str,
