@@ -152,23 +152,31 @@ def _is_program() -> bool:
 
 
 def _backend(name: str) -> ModuleType:
-    """`mlx_moestream.<name>`; imported first by the program, with the collector paused.
+    module = f"mlx_moestream.{name}"
+    if module in sys.modules:
+        return sys.modules[module]
+    with for_the_session():
+        return importlib.import_module(module)
 
-    torch, transformers and mlx-lm create hundreds of thousands of objects that live as long
-    as the process, and each full collection walked them all, during their import and after:
-    0.7 s of a 4.7 s `chat --backend torch` on a 2-core machine. The program imports them
-    with collection paused and then freezes them (`gc.freeze`): no collection walks them again.
-    A program that calls `main` keeps its collector as it is.
+
+@contextmanager
+def for_the_session() -> Iterator[None]:
+    """Make what lives as long as the process (a backend's modules, the model) with the
+    collector paused, then freeze it (`gc.freeze`), when this process is the program.
+
+    torch, transformers and mlx-lm create hundreds of thousands of such objects, and each full
+    collection walked them all, while they were made and after: 0.7 s of a 4.7 s
+    `chat --backend torch` on a 2-core machine. Frozen, no collection walks them again. A
+    program that calls `main` keeps its collector as it is.
     """
+    if not _is_program():
+        yield
+        return
     from ..pipeline import gc_paused
 
-    module = f"mlx_moestream.{name}"
-    if module in sys.modules or not _is_program():
-        return importlib.import_module(module)
     with gc_paused():
-        backend = importlib.import_module(module)
+        yield
         gc.freeze()
-    return backend
 
 
 def check_torch_model(backend: str, model: str | None) -> None:

@@ -15,9 +15,9 @@ from typing import Callable
 import click
 
 from .app import (Interrupted, Terminated, budget_option, check_torch_model, fail, finite,
-                  mlx_backend, model_option, pin_share_option, policy_option, prefetch_option,
-                  prewarm_share_option, profile_names, profile_option, progress, tell,
-                  terminate_as_interrupt, torch_backend)
+                  for_the_session, mlx_backend, model_option, pin_share_option, policy_option,
+                  prefetch_option, prewarm_share_option, profile_names, profile_option,
+                  progress, tell, terminate_as_interrupt, torch_backend)
 from .replies import mlx_reply, torch_reply
 from .stats_view import format_hosts, format_stats
 from .user_input import check_text, interactive, read_on_host_0
@@ -73,18 +73,19 @@ def chat(model, budget, policy, prompt, max_tokens, temp, profiles, prewarm_shar
         written = [os.path.realpath(t) for t in paths]
         if len(set(written)) < len(written):  # the second write would refuse, or replace, the first
             raise click.UsageError("--trace and each --profile save need a file of their own")
-        if backend == "torch":
-            lm, tokenizer = torch_backend().load(model, budget, device=device, policy=policy,
-                                                 profile=profile, prewarm_share=prewarm_share,
-                                                 pin_share=pin_share, per_layer=per_layer,
-                                                 prefetch=prefetch, progress=progress)
-            reply = partial(torch_reply, lm, tokenizer, max_tokens, temp)
-        else:
-            lm, tokenizer = mlx_backend().load(model, budget, policy, profile,
-                                               prewarm_share=prewarm_share, pin_share=pin_share,
-                                               per_layer=per_layer, prefetch=prefetch,
-                                               progress=progress, distributed=distributed)
-            reply = partial(mlx_reply, lm, tokenizer, max_tokens, temp)
+        with for_the_session():
+            if backend == "torch":
+                lm, tokenizer = torch_backend().load(
+                    model, budget, device=device, policy=policy, profile=profile,
+                    prewarm_share=prewarm_share, pin_share=pin_share, per_layer=per_layer,
+                    prefetch=prefetch, progress=progress)
+                reply = partial(torch_reply, lm, tokenizer, max_tokens, temp)
+            else:
+                lm, tokenizer = mlx_backend().load(
+                    model, budget, policy, profile, prewarm_share=prewarm_share,
+                    pin_share=pin_share, per_layer=per_layer, prefetch=prefetch,
+                    progress=progress, distributed=distributed)
+                reply = partial(mlx_reply, lm, tokenizer, max_tokens, temp)
         if distributed:
             _join_hosts(lm)
     except (ValueError, OSError, RuntimeError) as e:

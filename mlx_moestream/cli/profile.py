@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..files import open_regular
-from .app import budget_option, fail, mlx_backend, model_option
+from .app import budget_option, fail, for_the_session, mlx_backend, model_option
 
 if TYPE_CHECKING:
     from ..profiles import Profile
@@ -64,7 +64,8 @@ def profile_record(name, text_path, model, budget):
         if not text.strip():
             raise ValueError(f"{text_path}: no text, so nothing to profile")
         backend = mlx_backend()
-        lm, tokenizer = backend.load(model, budget)
+        with for_the_session():
+            lm, tokenizer = backend.load(model, budget)
         tokens = backend.run_text(lm, tokenizer, text)
         click.echo(f"{tokens} tokens: {session.save_profile(lm, target)}")
     except (ValueError, OSError) as e:

@@ -15,8 +15,8 @@ import sys
 
 import click
 
-from .app import (Interrupted, Terminated, budget_option, fail, finite, mlx_backend,
-                  model_option, pin_share_option, policy_option, prefetch_option,
+from .app import (Interrupted, Terminated, budget_option, fail, finite, for_the_session,
+                  mlx_backend, model_option, pin_share_option, policy_option, prefetch_option,
                   prewarm_share_option, profile_names, profile_option, tell,
                   terminate_as_interrupt)
 
@@ -90,10 +90,11 @@ def serve(model, budget, policy, profiles, prewarm_share, pin_share, save_every,
     except (ValueError, OSError, RuntimeError) as e:
         fail(e)
     provider = generator.model_provider
-    try:
-        provider.ready.wait()
-    except KeyboardInterrupt:  # the generator's thread ends once the load has
-        provider.failure = KeyboardInterrupt()
+    with for_the_session():  # the generator's thread loads the model meanwhile
+        try:
+            provider.ready.wait()
+        except KeyboardInterrupt:  # the generator's thread ends once the load has
+            provider.failure = KeyboardInterrupt()
     if provider.failure is not None:
         server.server_close()
         generator.stop_and_join()
