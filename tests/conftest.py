@@ -5,15 +5,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 # OpenMP threads beyond an xdist worker's share of the cores spin-wait on cores others hold.
 if "PYTEST_XDIST_WORKER" in os.environ:
     _WORKERS = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-
-import mlx_lm  # noqa: E402  (imports torch, through transformers, where it is installed)
-import pytest  # noqa: E402
-
-from mlx_moestream.testing import greedy_logits, make_tiny_moe  # noqa: E402
 
 # Commands the tests start (`mlx.launch`, `mlx-moestream`, `python`) are those of the venv whose
 # python runs the tests, as in the README's activated venv, whether or not that venv is activated.
@@ -35,6 +32,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Build (once per session) a tiny model directory; same arguments give the same directory."""
+    # imported here, not above: xdist's controller loads this file too, and runs no test
+    from mlx_moestream.testing import make_tiny_moe
+
     root = tmp_path_factory.mktemp("models")
     built: dict[tuple, Path] = {}
 
@@ -64,6 +64,10 @@ def model_copy(tiny_model, tmp_path):
 @pytest.fixture(scope="session")
 def reference():
     """Stock mlx-lm logits of a model directory (see `testing.greedy_logits`)."""
+    import mlx_lm
+
+    from mlx_moestream.testing import greedy_logits
+
     cache = {}
 
     def get(path):
