@@ -22,6 +22,14 @@ def run(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
+def python_output(code: str) -> str:
+    """What `python -c code` prints, once it has ended well."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_chat_with_prompt_prints_text_and_statistics(tiny_model):
     out = run("chat", "--model", tiny_model("qwen3_moe"), "--prompt", "Hello there",
               "--max-tokens", 16, "--budget", "25%")
@@ -219,9 +227,7 @@ def test_help_and_version_start_without_importing_mlx():
             "runner = CliRunner(); assert runner.invoke(main, ['--help']).exit_code == 0; "
             "print(runner.invoke(main, ['--version']).output); "
             "assert 'mlx' not in sys.modules and 'mlx_lm' not in sys.modules, 'imported mlx'")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "mlx-moestream, version" in out.stdout
+    assert "mlx-moestream, version" in python_output(code)
 
 
 def test_a_chat_on_the_mlx_backend_starts_without_importing_torch(tiny_model):
@@ -240,9 +246,7 @@ def test_a_program_that_calls_main_keeps_torch_importable_and_its_collector(tiny
             f"result = CliRunner().invoke(main, ['inspect', '-m', {model!r}]); "
             "assert result.exit_code == 0, result.output; "
             "import torch; print(torch.ones(2).sum().item(), gc.get_freeze_count())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["2.0", "0"]
+    assert python_output(code).split() == ["2.0", "0"]
 
 
 def test_the_program_collects_without_walking_its_backend_s_modules_or_model(tiny_model):
@@ -255,9 +259,7 @@ def test_the_program_collects_without_walking_its_backend_s_modules_or_model(tin
             f"main(['chat', '-m', {model!r}, '--prompt', 'hi', '-n', '1'], obj=PROGRAM, "
             "standalone_mode=False); "
             "print(gc.get_freeze_count() > 10000, len(gc.get_objects()) < 700, gc.isenabled())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[-1] == "True True True"
+    assert python_output(code).splitlines()[-1] == "True True True"
 
 
 def test_the_backend_neutral_core_imports_with_mlx_and_torch_blocked():
@@ -268,8 +270,7 @@ def test_the_backend_neutral_core_imports_with_mlx_and_torch_blocked():
             "mlx_moestream.profiles, "
             "mlx_moestream.repack, mlx_moestream.replay, mlx_moestream.runtime, "
             "mlx_moestream.stats, mlx_moestream.store, mlx_moestream.trace")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    python_output(code)
 
 
 def test_chat_statistics_say_what_they_count(tiny_model, tmp_path):
@@ -427,6 +428,4 @@ def test_package_imports_from_a_checkout_with_no_installed_metadata():
             "metadata.version = missing\n"
             "import mlx_moestream\n"
             "print(mlx_moestream.__version__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "0+checkout"
+    assert python_output(code).strip() == "0+checkout"

@@ -153,7 +153,7 @@ def _is_program() -> bool:
 
 def _backend(name: str) -> ModuleType:
     module = f"mlx_moestream.{name}"
-    if module in sys.modules:
+    if module in sys.modules:  # a later call would freeze the session's objects too
         return sys.modules[module]
     with for_the_session():
         return importlib.import_module(module)
