@@ -49,14 +49,16 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_reference():
-    """Prefill logits and greedy decode of the fully loaded model (`from_pretrained`)."""
+    """Prefill logits and greedy decode of the fully loaded model (`from_pretrained`), with
+    transformers' default experts implementation or the one named."""
     cache = {}
 
-    def get(path, dtype):
-        if path not in cache:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            cache[path] = run(model)
-        return cache[path]
+    def get(path, dtype, implementation=None):
+        if (path, implementation) not in cache:
+            named = {"experts_implementation": implementation} if implementation else {}
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **named)
+            cache[path, implementation] = run(model)
+        return cache[path, implementation]
 
     return get
 
@@ -201,17 +203,15 @@ def slot_pools(monkeypatch):
 @pytest.mark.parametrize("arch, fused", [("qwen3_moe", False), ("gpt_oss", True),
                                          ("deepseek_v3", False)])
 def test_slot_pools_with_remapped_ids_match_the_loaded_model_bit_for_bit(
-        hf_model, slot_pools, arch, fused, implementation, budget):
+        hf_model, hf_reference, slot_pools, arch, fused, implementation, budget):
     """batched_mm computes each routed row alone (a plain remap); eager adds a token's expert
     outputs in expert order (its used slots are gathered in that order). Four experts per
     token: with two, the sum is the same in either order."""
     path = hf_model(arch, fused, wide=True)
-    expected = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, experts_implementation=implementation)
     if budget == "min":
         budget = moestream_torch.min_budget_bytes(path)
     model, _ = moestream_torch.load(path, budget, experts_implementation=implementation)
-    assert_equal_runs(run(model), run(expected))
+    assert_equal_runs(run(model), hf_reference(path, torch.float32, implementation))
     stats = mlx_moestream.stats(model)
     assert stats["slot_bytes"] <= stats["budget_bytes"]
     assert (stats["evictions"] > 0) == (budget != "100%")
@@ -231,7 +231,7 @@ def test_an_expert_in_a_slot_pool_costs_its_bytes(hf_model, slot_pools):
 @pytest.mark.parametrize("placement, implementation, prefetch", [
     ("rows", None, False), ("slots", "batched_mm", True), ("slots", "eager", False)])
 def test_two_threads_generating_on_one_model_both_match_the_loaded_model(
-        hf_model, monkeypatch, placement, implementation, prefetch):
+        hf_model, hf_reference, monkeypatch, placement, implementation, prefetch):
     """Each layer call makes its experts resident and computes under the runtime's lock: the
     other thread's calls, in between, evict and read, and never change a result."""
     import threading
@@ -239,8 +239,7 @@ def test_two_threads_generating_on_one_model_both_match_the_loaded_model(
     if placement == "slots":
         monkeypatch.setattr(torch_loader, "ROW_DEVICES", ())
     path = hf_model("qwen3_moe", wide=True)
-    expected = run(transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, experts_implementation=implementation))
+    expected = hf_reference(path, torch.float32, implementation)
     model, _ = moestream_torch.load(path, "25%", prefetch=prefetch,
                                     experts_implementation=implementation)
     results, errors = [], []
@@ -262,15 +261,14 @@ def test_two_threads_generating_on_one_model_both_match_the_loaded_model(
     assert mlx_moestream.stats(model)["evictions"] > 0
 
 
-def test_a_failed_read_into_a_slot_pool_leaves_no_stale_expert(hf_model, slot_pools,
-                                                               monkeypatch):
+def test_a_failed_read_into_a_slot_pool_leaves_no_stale_expert(hf_model, hf_reference,
+                                                               slot_pools, monkeypatch):
     """The expert whose read failed leaves its slot, its staging buffer is returned, and the
     next generation reads it again: equal to the loaded model."""
     from mlx_moestream.errors import StoreError
 
     path = hf_model("qwen3_moe", wide=True)
-    expected = run(transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, experts_implementation="batched_mm"))
+    expected = hf_reference(path, torch.float32, "batched_mm")
     model, _ = moestream_torch.load(path, "25%", experts_implementation="batched_mm")
     store, reads = model.moestream.store, []
     read = store.read_expert
@@ -290,15 +288,14 @@ def test_a_failed_read_into_a_slot_pool_leaves_no_stale_expert(hf_model, slot_po
     assert mlx_moestream.stats(model)["read_errors"] == 1
 
 
-def test_a_plain_slot_remap_is_not_exact_under_eager(hf_model, slot_pools, monkeypatch):
+def test_a_plain_slot_remap_is_not_exact_under_eager(hf_model, hf_reference, slot_pools,
+                                                     monkeypatch):
     """Negative control: remapped as batched_mm's, eager's sums follow the slots' order."""
     monkeypatch.setattr(torch_forward, "ROW_WISE", (*torch_forward.ROW_WISE, "eager"))
     path = hf_model("qwen3_moe", wide=True)
-    expected = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, experts_implementation="eager")
     model, _ = moestream_torch.load(path, "25%", experts_implementation="eager")
     with pytest.raises(AssertionError):
-        assert_equal_runs(run(model), run(expected))
+        assert_equal_runs(run(model), hf_reference(path, torch.float32, "eager"))
 
 
 @pytest.mark.parametrize("device, message", [
