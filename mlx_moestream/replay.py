@@ -296,8 +296,9 @@ class _Prepared:
         self.accesses = sizes.sum(axis=1)  # per token
         self.calls = int((sizes > 0).sum())  # layer calls that route to an expert
         layer = np.arange(trace.layers)[None, :, None]
+        token = np.broadcast_to(np.arange(trace.tokens)[:, None, None], ids.shape)
         self.future = Future((layer * trace.num_experts + ids)[valid],
-                             trace.layers * trace.num_experts)
+                             trace.layers * trace.num_experts, token[valid])
 
 
 def _cache(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile
@@ -308,7 +309,7 @@ def _cache(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profi
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
     if isinstance(policy, str) and policy_class(policy).offline:  # it is given the trace ahead
         policy = partial(make_policy, policy, num_keys=layers * num_experts,
-                         future=prepared.future)
+                         num_experts=num_experts, future=prepared.future)
     layer_slots = None
     if _splits(per_layer):
         weights = np.ones(layers) if isinstance(per_layer, bool) else per_layer

@@ -16,6 +16,8 @@ from mlx_moestream.policies import (
     POLICIES,
     SLRU,
     Belady,
+    Future,
+    NextCall,
     Policy,
     WindowLFU,
     make_policy,
@@ -625,6 +627,29 @@ def test_belady_needs_the_future():
         make_policy("belady", 4, 8)
 
 
+def test_next_call_evicts_a_key_its_layer_s_next_call_leaves_out_over_an_older_one_it_uses():
+    """Two layers of two experts (keys 0-1, 2-3); token 1's first layer misses key 1. Key 0,
+    the older, returns at layer 0's next call (token 2); key 2, the newer, not at layer 1's."""
+    future = Future(np.array([0, 2, 1, 3, 0, 3]), 4, tokens=np.array([0, 0, 1, 1, 2, 2]))
+    policy = NextCall(3, 4, num_experts=2, future=future)
+    _miss(policy, 0)
+    _miss(policy, 2)
+    assert _victim(policy, {1}) == 2
+
+
+def test_next_call_needs_the_future_with_its_tokens():
+    with pytest.raises(ValueError, match="needs the future routing and its tokens"):
+        NextCall(3, 4, num_experts=2, future=Future(np.array([0, 2]), 4))
+
+
+def test_next_call_replays_between_cyclic_and_belady_on_layered_routing():
+    """Replay builds an offline policy per trace: a layered one is told its layers."""
+    trace = synthetic_trace(400, 4, 16, 2, repeat=0.3, seed=2)
+    rates = {r["policy"]: r["hit_rate"] for r in sweep(trace, ["cyclic", "next-call"], [0.25])}
+    result = replay(trace, "next-call", 0.25)
+    assert rates["cyclic"] < rates["next-call"] == result["hit_rate"] < result["belady_hit_rate"]
+
+
 @pytest.mark.parametrize("name", ["lfu", "slru", "wlfu"])
 def test_seed_adds_to_the_frequency_counts(name):
     policy = make_policy(name, 4, 8)
@@ -659,7 +684,8 @@ def test_seed_rejects_unknown_keys_and_bad_counts(counts):
 
 
 def test_unknown_policy_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown policy 'fifo'.*belady, cyclic, lfu, lru, markov, slru, wlfu"):
+    known = "belady, cyclic, lfu, lru, markov, next-call, slru, wlfu"
+    with pytest.raises(ValueError, match=f"unknown policy 'fifo'.*{known}"):
         make_policy("fifo", 4, 8)
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         _cache(4, policy="fifo")

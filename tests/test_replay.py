@@ -58,6 +58,16 @@ def test_prewarming_with_the_workload_profile_raises_early_hit_rate(policy):
     assert warm["hit_rate"] > cold["hit_rate"]
 
 
+def test_next_call_replays_from_a_prewarmed_cache():
+    """Pre-warmed keys are resident before any use: the future is not advanced for them."""
+    early = synthetic_trace(32, 4, 128, 8, switch_at=None, seed=0)
+    recorded = synthetic_trace(512, 4, 128, 8, switch_at=None, seed=0, sample_seed=1)
+    profile = trace_profile(recorded, np.arange(recorded.tokens), "same workload")
+    result = replay(early, "next-call", 0.25, profile=profile)
+    assert replay(early, "next-call", 0.25)["hit_rate"] < result["hit_rate"]
+    assert result["hit_rate"] <= result["belady_hit_rate"]
+
+
 def test_the_baselines_of_a_prewarmed_replay_start_prewarmed_too():
     """Else a pre-warmed policy beat Belady on a short trace: no reads for what it held."""
     early = synthetic_trace(32, 4, 128, 8, switch_at=None, seed=0)

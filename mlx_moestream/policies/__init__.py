@@ -15,10 +15,11 @@ from .base import Policy
 from .belady import Belady, Future
 from .classic import LFU, LRU, SLRU
 from .markov import LayerMarkov
+from .nextcall import NextCall
 from .wlfu import WindowLFU
 
 __all__ = ["DEFAULT_POLICY", "LFU", "LRU", "POLICIES", "SLRU", "Belady", "Future",
-           "LayerCyclic", "LayerMarkov", "Policy", "WindowLFU", "make_policy", "parse_policy",
+           "LayerCyclic", "LayerMarkov", "NextCall", "Policy", "WindowLFU", "make_policy", "parse_policy",
            "policy_class"]
 
 DEFAULT_POLICY = "cyclic"

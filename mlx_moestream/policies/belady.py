@@ -10,14 +10,16 @@ from .base import Policy, Resident
 class Future:
     """The keys a replay will pass to `access`/`insert`, in order, indexed for next uses.
 
-    Each call's distinct keys, so that the next use of a key is one lookup. One `Future`
-    serves every `Belady` of a replay (one per layer with a per-layer partition).
+    Each call's distinct keys, so that the next use of a key is one lookup, and optionally the
+    token of each (`tokens`, which `next-call` needs). One `Future` serves every offline policy
+    of a replay (one per layer with a per-layer partition).
     """
 
-    def __init__(self, keys: np.ndarray, num_keys: int):
+    def __init__(self, keys: np.ndarray, num_keys: int, tokens: np.ndarray | None = None):
         keys = np.asarray(keys, np.int64)
         n = len(keys)
         self.keys = np.append(keys, -1)
+        self.tokens = None if tokens is None else np.append(np.asarray(tokens, np.int64), -1)
         self.next_at = np.full(n + 1, n, np.int64)  # [i]: where keys[i] is used next, n if never
         self.first_at = np.full(num_keys, n, np.int64)  # [key]: where it is first used, n if never
         order = np.argsort(keys, kind="stable")
@@ -25,6 +27,13 @@ class Future:
         self.next_at[order[:-1][same]] = order[1:][same]
         starts = order[np.append(True, ~same)] if n else order
         self.first_at[keys[starts]] = starts
+
+    def use(self, key: int, at: int) -> int:
+        """The position of `key`'s use after position `at` (its first use for -1), checked."""
+        at = self.first_at[key] if at < 0 else self.next_at[at]
+        if self.keys[at] != key:
+            raise RuntimeError(f"key {key} is used out of the order the replay's future holds")
+        return at
 
 
 class Belady(Policy, name="belady"):
@@ -46,12 +55,8 @@ class Belady(Policy, name="belady"):
         self.resident = Resident(num_keys)
 
     def _use(self, key: int) -> None:
-        future, at = self.future, self.at[key]
-        at = future.first_at[key] if at < 0 else future.next_at[at]
-        if future.keys[at] != key:
-            raise RuntimeError(f"key {key} is used out of the order belady was given")
-        self.at[key] = at
-        self.next_use[key] = future.next_at[at]
+        self.at[key] = at = self.future.use(key, self.at[key])
+        self.next_use[key] = self.future.next_at[at]
 
     def access(self, keys: list[int], new: list[int] = ()) -> None:
         for key in keys:
