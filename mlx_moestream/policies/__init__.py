@@ -12,8 +12,9 @@ import inspect
 from importlib import import_module
 
 from .base import Policy
-from .belady import Belady, Future
+from .belady import Belady
 from .classic import LFU, LRU, SLRU
+from .future import Future
 from .markov import LayerMarkov
 from .nextcall import NextCall
 from .wlfu import WindowLFU

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Policy, Resident, all_in_use
-from .belady import Future
+from .future import Future
 
 
 class NextCall(Policy, name="next-call"):
