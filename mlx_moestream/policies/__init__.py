@@ -20,8 +20,8 @@ from .nextcall import NextCall
 from .wlfu import WindowLFU
 
 __all__ = ["DEFAULT_POLICY", "LFU", "LRU", "POLICIES", "SLRU", "Belady", "Future",
-           "LayerCyclic", "LayerMarkov", "NextCall", "Policy", "WindowLFU", "make_policy", "parse_policy",
-           "policy_class"]
+           "LayerCyclic", "LayerMarkov", "NextCall", "Policy", "WindowLFU", "make_policy",
+           "parse_policy", "policy_class"]
 
 DEFAULT_POLICY = "cyclic"
 
