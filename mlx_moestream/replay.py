@@ -296,9 +296,8 @@ class _Prepared:
         self.accesses = sizes.sum(axis=1)  # per token
         self.calls = int((sizes > 0).sum())  # layer calls that route to an expert
         layer = np.arange(trace.layers)[None, :, None]
-        token = np.broadcast_to(np.arange(trace.tokens)[:, None, None], ids.shape)
         self.future = Future((layer * trace.num_experts + ids)[valid],
-                             trace.layers * trace.num_experts, token[valid])
+                             trace.layers * trace.num_experts, self.accesses)
 
 
 def _cache(prepared: _Prepared, policy: PolicySpec, slots: int, per_layer, profile

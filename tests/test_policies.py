@@ -630,7 +630,7 @@ def test_belady_needs_the_future():
 def test_next_call_evicts_a_key_its_layer_s_next_call_leaves_out_over_an_older_one_it_uses():
     """Two layers of two experts (keys 0-1, 2-3); token 1's first layer misses key 1. Key 0,
     the older, returns at layer 0's next call (token 2); key 2, the newer, not at layer 1's."""
-    future = Future(np.array([0, 2, 1, 3, 0, 3]), 4, tokens=np.array([0, 0, 1, 1, 2, 2]))
+    future = Future(np.array([0, 2, 1, 3, 0, 3]), 4, per_token=np.array([2, 2, 2]))
     policy = NextCall(3, 4, num_experts=2, future=future)
     _miss(policy, 0)
     _miss(policy, 2)

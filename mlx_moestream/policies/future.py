@@ -8,16 +8,18 @@ import numpy as np
 class Future:
     """The keys a replay will pass to `access`/`insert`, in order, indexed for next uses.
 
-    Each call's distinct keys, so that the next use of a key is one lookup, and optionally the
-    token of each (`tokens`, which `next-call` needs). One `Future` serves every offline policy
-    of a replay (one per layer with a per-layer partition).
+    Each call's distinct keys, so that the next use of a key is one lookup, and optionally how
+    many of them each token holds (`per_token`, which `next-call` needs). One `Future` serves
+    every offline policy of a replay (one per layer with a per-layer partition).
     """
 
-    def __init__(self, keys: np.ndarray, num_keys: int, tokens: np.ndarray | None = None):
+    def __init__(self, keys: np.ndarray, num_keys: int, per_token: np.ndarray | None = None):
         keys = np.asarray(keys, np.int64)
         n = len(keys)
         self.keys = np.append(keys, -1)
-        self.tokens = None if tokens is None else np.append(np.asarray(tokens, np.int64), -1)
+        # [t]: where token t's keys end; one more token past the last, that holds none
+        self.token_end = (None if per_token is None
+                          else np.append(np.cumsum(per_token, dtype=np.int64), n))
         self.next_at = np.full(n + 1, n, np.int64)  # [i]: where keys[i] is used next, n if never
         self.first_at = np.full(num_keys, n, np.int64)  # [key]: where it is first used, n if never
         order = np.argsort(keys, kind="stable")
@@ -32,3 +34,7 @@ class Future:
         if self.keys[at] != key:
             raise RuntimeError(f"key {key} is used out of the order the replay's future holds")
         return at
+
+    def token_of(self, at: int) -> int:
+        """The token whose keys hold position `at` (with `per_token`)."""
+        return int(np.searchsorted(self.token_end, at, side="right"))

@@ -13,7 +13,7 @@ class NextCall(Policy, name="next-call"):
     1 if its layer's next call uses it, else 0; among equals, the least used per slot-call
     (counts halving every `half_life` tokens) goes.
 
-    Replay only: `future` must hold the replay's keys and their tokens. `cyclic` with a perfect
+    Replay only: `future` must hold the replay's keys and their count per token. `cyclic` with a perfect
     predictor of each layer's next call would rank as this one does, so its hit rate bounds
     what better prediction can win under `p / d`; Belady bounds every policy.
     """
@@ -24,7 +24,7 @@ class NextCall(Policy, name="next-call"):
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
                  future: Future | None = None, half_life: int = 32):
         super().__init__(capacity, num_keys)
-        if future is None or future.tokens is None:
+        if future is None or future.token_end is None:
             raise ValueError("next-call is offline, for replay only: it needs the future "
                              "routing and its tokens")
         if half_life < 1:
@@ -57,13 +57,15 @@ class NextCall(Policy, name="next-call"):
     def victims(self, n: int, protected: set[int]) -> list[int]:
         future, E = self.future, self.num_experts
         current = next(iter(protected))  # a key of the call being served: its layer and token
-        layer, token = current // E, future.tokens[future.use(current, self.at[current])]
+        layer, token = current // E, future.token_of(future.use(current, self.at[current]))
         keys = self.resident.active
         later = keys // E > layer
         d = np.where(later, 0, self.layers) + keys // E - layer  # calls to its layer's next
         at = self.at[keys]
-        coming = future.tokens[np.where(at < 0, future.first_at[keys], future.next_at[at])]
-        p = coming == token + ~later  # this token for a later layer, else the next one
+        coming = np.where(at < 0, future.first_at[keys], future.next_at[at])
+        # a later layer's next call is in this token, another's in the next: a key of either is
+        # not used again before that call, so a use before the token's end is at that call
+        p = coming < future.token_end[token + ~later]
         rank = (p + 1e-9 * self.count[keys]) / d  # a count (below ~50) only breaks ties
         rank[np.isin(keys, list(protected))] = np.inf
         order = np.argsort(rank, kind="stable")[:n]
