@@ -13,9 +13,9 @@ class NextCall(Policy, name="next-call"):
     1 if its layer's next call uses it, else 0; among equals, the least used per slot-call
     (counts halving every `half_life` tokens) goes.
 
-    Replay only: `future` must hold the replay's keys and their count per token. `cyclic` with a perfect
-    predictor of each layer's next call would rank as this one does, so its hit rate bounds
-    what better prediction can win under `p / d`; Belady bounds every policy.
+    Replay only: `future` must hold the replay's keys and their count per token. `cyclic` with
+    a perfect predictor of each layer's next call would rank as this one does, so its hit rate
+    bounds what better prediction can win under `p / d`; Belady bounds every policy.
     """
 
     offline = True
