@@ -33,7 +33,7 @@ from mlx_moestream.policies import DEFAULT_POLICY  # noqa: E402
 from mlx_moestream.replay import check_plot_target, fits, save_png, sweep  # noqa: E402
 from mlx_moestream.trace import Trace  # noqa: E402
 
-ONLINE = ["lru", "lfu", "slru", "wlfu", "markov", DEFAULT_POLICY]
+ONLINE = ["lru", "lfu", "slru", "wlfu", "markov", "age", DEFAULT_POLICY]
 BASELINES = ["lru", "lfu", "slru"]  # what the default must beat, global or per layer
 BOUNDS = ["next-call", "belady"]  # offline, one shared pool
 CAPACITIES = [0.1, 0.25, 0.5]

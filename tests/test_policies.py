@@ -27,7 +27,7 @@ from mlx_moestream.policies.cyclic import LayerCyclic
 from mlx_moestream.replay import replay, sweep
 from mlx_moestream.trace import Trace, synthetic_trace
 
-ONLINE = ["lru", "lfu", "slru", "wlfu", "markov", "cyclic"]
+ONLINE = ["lru", "lfu", "slru", "wlfu", "markov", "age", "cyclic"]
 
 
 def _cache(num_slots, layers=2, num_experts=4, policy="wlfu", layer_slots=None):
@@ -221,7 +221,7 @@ def test_wlfu_weighs_a_use_one_half_life_ago_as_half_a_use_now():
     assert _victim(policy, set()) == 0
 
 
-@pytest.mark.parametrize("policy", ["cyclic", "wlfu"])
+@pytest.mark.parametrize("policy", ["cyclic", "wlfu", "age"])
 def test_a_half_life_past_what_a_float_resolves_is_taken(policy):
     """`half_life=10**20`, "never decay", rounded the cyclic policy's rate per token to 0 (a
     ZeroDivisionError)."""
@@ -605,6 +605,23 @@ def test_markov_evicts_the_current_layers_expert_before_the_next_layers_at_equal
     assert _victim(policy, {1}) == 0
 
 
+def test_age_keeps_the_expert_due_back_after_the_calls_it_learned_it_returns_in():
+    """Layer 1 calls experts 0, 1, 2, 3 in turn: the one used four calls ago is next. LRU and
+    `cyclic` (one rate for every key out of the latest call) evict it, the least recent and
+    least counted; `age` learned that keys of age 4-7 come back and those of 2-3 do not."""
+    victims = {}
+    for name in ("age", "cyclic", "lru"):
+        policy = make_policy(name, 5, 8, num_experts=4)
+        for token in range(40):
+            policy.tick(1)
+            policy.access([0], [0] if token == 0 else [])
+            key = 4 + token % 4
+            policy.access([key], [key] if token < 4 else [])
+        policy.tick(1)
+        victims[name] = _victim(policy, {0})
+    assert victims == {"age": 5, "cyclic": 4, "lru": 4}  # 4 is due next, 5 two calls later
+
+
 def test_belady_evicts_the_key_used_farthest_in_the_future():
     future = np.array([0, 1, 2, 1, 0])
     policy = Belady(2, 4, future)
@@ -708,6 +725,7 @@ def test_unknown_policy_option_names_the_options_of_that_policy():
                                          ("slru:protected_share=lots", "takes a number"),
                                          ("wlfu:half_life=0", "at least 1 token"),
                                          ("slru:protected_share=2", "in \\[0, 1\\]"),
+                                         ("age:freq_share=1", "in \\[0, 1\\)"),
                                          ("wlfu:recent_tokens=99999999999999999999",
                                           "recent_tokens must be in \\[1, 1024\\]")])
 def test_bad_policy_option_value_is_a_clear_error(spec, match):
@@ -827,8 +845,9 @@ def test_a_pinned_expert_whose_load_failed_is_unpinned_and_read_again(policy):
     assert _request(cache, 0, [0]) == [(0, cache.slot_of[0, 0])]  # a miss, read again
 
 
-def test_cyclic_survives_one_tick_of_many_half_lives():
-    cache = _cache(4, layers=2, policy="cyclic:half_life=1")
+@pytest.mark.parametrize("policy", ["cyclic", "age"])
+def test_a_policy_survives_one_tick_of_many_half_lives(policy):
+    cache = _cache(4, layers=2, policy=f"{policy}:half_life=1")
     _request(cache, 0, [0, 1])
     cache.tick(40_000)  # one forward call of 40k tokens
     _request(cache, 1, [2, 3])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from importlib import import_module
 
+from .age import LayerAge
 from .base import Policy
 from .belady import Belady
 from .classic import LFU, LRU, SLRU
@@ -20,8 +21,8 @@ from .nextcall import NextCall
 from .wlfu import WindowLFU
 
 __all__ = ["DEFAULT_POLICY", "LFU", "LRU", "POLICIES", "SLRU", "Belady", "Future",
-           "LayerCyclic", "LayerMarkov", "NextCall", "Policy", "WindowLFU", "make_policy",
-           "parse_policy", "policy_class"]
+           "LayerAge", "LayerCyclic", "LayerMarkov", "NextCall", "Policy", "WindowLFU",
+           "make_policy", "parse_policy", "policy_class"]
 
 DEFAULT_POLICY = "cyclic"
 

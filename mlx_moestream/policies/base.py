@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import math
+
 import numpy as np
 
 
@@ -123,6 +125,17 @@ class Resident:
         return key
 
 
+def decay_per_token(half_life: int, freq_share: float) -> float:
+    """Check the options of a blend of use rate and group rate (`cyclic`, `age`), and return the
+    share a count loses per token: steady use, one per token, adds up to `1 / it`."""
+    if half_life < 1:
+        raise ValueError(f"half_life must be at least 1 token, got {half_life}")
+    if not 0.0 <= freq_share < 1.0:
+        raise ValueError(f"freq_share must be in [0, 1), got {freq_share}")
+    # its exact form is 0 past 2**53 tokens
+    return 1.0 - 0.5 ** (1.0 / half_life) or math.log(2) / half_life
+
+
 def add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0) -> None:
     """Add seeded `counts` ({key: count}), times `weight`, to `count`, refusing bad ones."""
     keys = np.fromiter(counts.keys(), np.int64, len(counts))
@@ -132,3 +145,44 @@ def add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0)
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("seed counts must be finite and non-negative")
     np.add.at(count, keys, values * weight)
+
+
+class ScoredCyclic(Policy):
+    """`cyclic`'s rule in numpy over a `p` a subclass predicts for every key (`markov`, `age`):
+    the victims are the keys of least `p / d`, prefetched keys that no call used first. A victim
+    search reads every key, which suits replay."""
+
+    layered = True
+
+    def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None):
+        super().__init__(capacity, num_keys)
+        self.experts = num_experts or num_keys
+        self.layers = -(-num_keys // self.experts)
+        self.state = np.zeros(self.layers * self.experts, np.int8)  # 0 out, 1 unused, 2 used
+        self.position = 0  # layer of the current call
+
+    def use_chances(self) -> np.ndarray:
+        """`[layers, experts]`: each key's chance of a use at its layer's next call."""
+        raise NotImplementedError
+
+    def insert(self, keys: list[int]) -> None:
+        self.state[keys] = 1
+
+    def warm(self, keys: list[int]) -> None:
+        self.state[keys] = 2
+
+    def remove(self, key: int) -> None:
+        self.state[key] = 0
+
+    def victims(self, n: int, protected: set[int]) -> list[int]:
+        distance = (np.arange(self.layers) - self.position - 1) % self.layers + 1
+        score = (self.use_chances() / distance[:, None]).ravel()
+        score[self.state == 0] = np.inf
+        score[self.state == 1] = -1.0
+        if protected:
+            score[list(protected)] = np.inf
+        order = np.argsort(score, kind="stable")[:n]  # among equals, the least key
+        if len(order) < n or score[order[-1]] == np.inf:
+            raise all_in_use()
+        self.state[order] = 0
+        return order.tolist()

@@ -6,12 +6,11 @@ The only module that imports the compiled part, so that the other policies work 
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 
 import numpy as np
 
-from .base import Policy, add_counts
+from .base import Policy, add_counts, decay_per_token
 
 try:
     import mlx_moestream.policies._cyclic as _cyclic
@@ -51,13 +50,8 @@ class LayerCyclic(_cyclic.CyclicCore, Policy, name="cyclic"):
 
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
                  half_life: int = 32, freq_share: float = 0.5):
-        if half_life < 1:
-            raise ValueError(f"half_life must be at least 1 token, got {half_life}")
-        if not 0.0 <= freq_share < 1.0:
-            raise ValueError(f"freq_share must be in [0, 1), got {freq_share}")
+        per_token = decay_per_token(half_life, freq_share)
         self.capacity = capacity
-        # steady use adds up to a count of `1 / per_token`; its exact form is 0 past 2**53 tokens
-        per_token = 1.0 - 0.5 ** (1.0 / half_life) or math.log(2) / half_life
         group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
         super().__init__(num_keys, num_experts or num_keys, half_life, group_weight)
 

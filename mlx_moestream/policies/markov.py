@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Policy, add_counts, all_in_use
+from .base import ScoredCyclic, add_counts
 
 MAX_HALVINGS = 512  # counts are rescaled before a weight of 2**512 nears a float's limit
 
 
-class LayerMarkov(Policy, name="markov"):
+class LayerMarkov(ScoredCyclic, name="markov"):
     """Evicts the expert of least `p / d`, `p` predicted from what its layer's latest call used.
 
     As in `cyclic`, `d` is the number of layer calls until the key's layer is called again and
@@ -24,16 +24,12 @@ class LayerMarkov(Policy, name="markov"):
     Pure numpy, for replay: a victim search reads every key.
     """
 
-    layered = True
-
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
                  half_life: int = 32, memory: int = 256):
-        super().__init__(capacity, num_keys)
+        super().__init__(capacity, num_keys, num_experts)
         for option, value in (("half_life", half_life), ("memory", memory)):
             if value < 1:
                 raise ValueError(f"{option} must be at least 1 token, got {value}")
-        self.experts = num_experts or num_keys
-        self.layers = -(-num_keys // self.experts)
         self.half_life, self.memory = half_life, memory
         shape = (self.layers, self.experts)
         self.count = np.zeros(shape)  # decayed uses, times `weight`
@@ -44,11 +40,9 @@ class LayerMarkov(Policy, name="markov"):
         self.groups = np.array([1.0, 2.0, 1.0, 2.0])
         self.p = np.zeros(shape)  # chance of use at the layer's next call
         self.latest = [np.zeros(0, np.int64) for _ in range(self.layers)]
-        self.state = np.zeros(self.layers * self.experts, np.int8)  # 0 out, 1 unused, 2 used
         self.tokens = 0
         self.halvings = np.zeros(2)  # applied to the counts and to the transitions
         self.weight = self.move_weight = 1.0
-        self.position = 0  # layer of the current call
 
     def access(self, keys: list[int], new: list[int] = ()) -> None:
         layer = keys[0] // self.experts
@@ -82,27 +76,8 @@ class LayerMarkov(Policy, name="markov"):
         self.p[layer] = ((self.moves[layer][rows] + w * prior)
                          / (self.starts[layer, rows, None] + w)).mean(axis=0)
 
-    def insert(self, keys: list[int]) -> None:
-        self.state[keys] = 1
-
-    def warm(self, keys: list[int]) -> None:
-        self.state[keys] = 2
-
-    def remove(self, key: int) -> None:
-        self.state[key] = 0
-
-    def victims(self, n: int, protected: set[int]) -> list[int]:
-        distance = (np.arange(self.layers) - self.position - 1) % self.layers + 1
-        score = (self.p / distance[:, None]).ravel()
-        score[self.state == 0] = np.inf
-        score[self.state == 1] = -1.0
-        if protected:
-            score[list(protected)] = np.inf
-        order = np.argsort(score, kind="stable")[:n]  # among equals, the least key
-        if len(order) < n or score[order[-1]] == np.inf:
-            raise all_in_use()
-        self.state[order] = 0
-        return order.tolist()
+    def use_chances(self) -> np.ndarray:
+        return self.p
 
     def tick(self, tokens: int) -> None:
         """Advance the clock: a use weighs twice as much after each half-life."""
