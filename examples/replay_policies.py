@@ -24,6 +24,6 @@ with tempfile.TemporaryDirectory() as folder:
     trace = Trace.load(path)
 
 print(f"{trace.tokens} tokens x {trace.layers} layers, top-{trace.top_k} of {trace.num_experts}")
-for r in sweep(trace, ["lru", "lfu", "slru", "cyclic"], [0.25, 0.5]):
+for r in sweep(trace, ["lru", "lfu", "slru", "age", "cyclic"], [0.25, 0.5]):
     print(f"{r['policy']:>7} at {r['capacity_fraction']:.0%}: hit rate {r['hit_rate']:.1%} "
           f"(Belady {r['belady_hit_rate']:.1%})")

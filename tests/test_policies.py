@@ -605,7 +605,7 @@ def test_markov_evicts_the_current_layers_expert_before_the_next_layers_at_equal
     assert _victim(policy, {1}) == 0
 
 
-def test_age_keeps_the_expert_due_back_after_the_calls_it_learned_it_returns_in():
+def test_age_keeps_an_expert_that_returns_every_fourth_call_where_lru_and_cyclic_do_not():
     """Layer 1 calls experts 0, 1, 2, 3 in turn: the one used four calls ago is next. LRU and
     `cyclic` (one rate for every key out of the latest call) evict it, the least recent and
     least counted; `age` learned that keys of age 4-7 come back and those of 2-3 do not."""

@@ -5,9 +5,8 @@ Plain Python and numpy, so the pure-Python policies import without the compiled 
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import math
+from typing import ClassVar
 
 import numpy as np
 
