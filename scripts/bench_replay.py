@@ -8,13 +8,18 @@ capacity: `best_other`, the best of LRU, LFU and SLRU (global or per layer), and
 = (default - best_other) / (Belady - best_other), the share of the distance to the optimum
 that the default policy covers (`gap_closed_by`: every candidate's, `next-call` included).
 `accesses_per_second` is each replay's speed. `--first N` also replays each trace's first N
-tokens alone (a short session from a cold cache), as `FILE first N`.
+tokens alone (a short session from a cold cache), as `FILE first N`. `--windows N` replays up
+to 64 N-token windows spread evenly over each trace, each from a cold cache, and reports under
+`windows` how often each policy is more than half a point below the best of the baselines
+other than itself: how often a short session could fault it by that yardstick, baselines
+included.
 
     python scripts/record_embedded_traces.py traces-embedded
     python scripts/bench_replay.py ../shared/traces traces-embedded --markdown tables.md \
         --plot docs/caching.png
     python scripts/bench_replay.py ../shared/traces traces-embedded --first 64 --first 256 \
         --first 1024
+    python scripts/bench_replay.py ../shared/traces traces-embedded --windows 64 --windows 256
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import sys
 from pathlib import Path
 
 import click
+import numpy as np
 
 # Run from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,6 +43,7 @@ ONLINE = ["lru", "lfu", "slru", "wlfu", "markov", "age", DEFAULT_POLICY]
 BASELINES = ["lru", "lfu", "slru"]  # what the default must beat, global or per layer
 BOUNDS = ["next-call", "belady"]  # offline, one shared pool
 CAPACITIES = [0.1, 0.25, 0.5]
+WINDOWS_PER_TRACE = 64
 
 
 def bench_trace(trace: Trace, capacities: list[float]) -> list[dict]:
@@ -63,6 +70,30 @@ def bench_trace(trace: Trace, capacities: list[float]) -> list[dict]:
         row["vs_best_other_points"] = round(100 * (rates[DEFAULT_POLICY] - rates[best]), 2)
         row["vs_lru_points"] = round(100 * (rates[DEFAULT_POLICY] - rates["lru"]), 2)
     return list(rows.values())
+
+
+def windows(trace: Trace, tokens: int) -> list[Trace]:
+    """Up to WINDOWS_PER_TRACE cuts of `tokens` tokens, spread evenly, none overlapping."""
+    count = min(WINDOWS_PER_TRACE, trace.tokens // tokens)
+    starts = np.linspace(0, trace.tokens - tokens, count).astype(int) if count else []
+    return [Trace(trace.experts[s:s + tokens], trace.num_experts) for s in starts]
+
+
+def below_best_other(rows: list[dict]) -> dict:
+    """Per online policy, over `rows` (bench_trace's), the share of rows where it is more than
+    half a point below the best baseline other than itself, and its mean distance to it."""
+    points: dict[str, list[float]] = {}
+    for row in rows:
+        rates = row["hit_rate"]
+        for name in rates:
+            if name not in BOUNDS:
+                best = max(v for n, v in rates.items()
+                           if n.split("/")[0] in BASELINES and n != name)
+                points.setdefault(name, []).append(100 * (rates[name] - best))
+    return {"rows": len(rows),
+            "share_below_by_over_half_a_point": {
+                n: round(float(np.mean(np.array(p) < -0.5)), 3) for n, p in points.items()},
+            "mean_points": {n: round(float(np.mean(p)), 2) for n, p in points.items()}}
 
 
 def markdown(results: dict[str, dict]) -> str:
@@ -122,12 +153,15 @@ def plot(results: dict[str, dict], path: Path) -> bool:
               show_default=True, help="Fractions of all (layer, expert) slots (repeatable).")
 @click.option("--first", "firsts", type=click.IntRange(1), multiple=True,
               help="Also replay each trace's first N tokens alone (repeatable).")
+@click.option("--windows", "window_sizes", type=click.IntRange(1), multiple=True,
+              help="Also replay up to 64 N-token windows of each trace, each alone (repeatable).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the tables as markdown here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write hit rate against capacity as a PNG here (needs matplotlib).")
 def main(folders: tuple[Path, ...], capacities: tuple[float, ...], firsts: tuple[int, ...],
-         markdown_path: Path | None, plot_path: Path | None) -> None:
+         window_sizes: tuple[int, ...], markdown_path: Path | None, plot_path: Path | None
+         ) -> None:
     """Replay every .npz trace in FOLDERS (default: ../shared/traces beside the checkout)."""
     folders = folders or (Path(__file__).resolve().parents[2] / "shared" / "traces",)
     if plot_path:
@@ -135,7 +169,7 @@ def main(folders: tuple[Path, ...], capacities: tuple[float, ...], firsts: tuple
             check_plot_target(plot_path)  # before minutes of replay, not after
         except ValueError as e:
             raise click.ClickException(str(e)) from None
-    results = {}
+    results, window_rows = {}, {n: {} for n in sorted(set(window_sizes))}
     for path in sorted(p for folder in folders for p in folder.glob("*.npz")):
         click.echo(f"replaying {path.name}", err=True)
         whole = Trace.load(path)
@@ -145,6 +179,9 @@ def main(folders: tuple[Path, ...], capacities: tuple[float, ...], firsts: tuple
             results[name] = {"tokens": trace.tokens, "layers": trace.layers,
                              "num_experts": trace.num_experts, "top_k": trace.top_k,
                              "rows": bench_trace(trace, sorted(capacities))}
+        for n, found in window_rows.items():
+            found[path.name] = [row for cut in windows(whole, n)
+                                for row in bench_trace(cut, sorted(capacities))]
     if not results:
         raise click.ClickException(f"no .npz trace in {', '.join(map(str, folders))}")
     rows = [row for r in results.values() for row in r["rows"]]
@@ -158,7 +195,13 @@ def main(folders: tuple[Path, ...], capacities: tuple[float, ...], firsts: tuple
                "rows_below_best_other_by_over_half_a_point": sum(
                    row["vs_best_other_points"] < -0.5 for row in rows),
                "rows": len(rows)}
-    click.echo(json.dumps({"summary": summary, "traces": results}, indent=1))
+    out = {"summary": summary, "traces": results}
+    if window_rows:
+        out["windows"] = {
+            str(n): {"all": below_best_other([row for rows in found.values() for row in rows]),
+                     **{file: below_best_other(rows) for file, rows in found.items()}}
+            for n, found in window_rows.items()}
+    click.echo(json.dumps(out, indent=1))
     if markdown_path:
         atomic_write_text(markdown_path, markdown(results))
     if plot_path and not plot(results, plot_path):

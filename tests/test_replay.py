@@ -658,14 +658,48 @@ def test_bench_replay_also_replays_the_first_tokens_of_each_trace_alone(tmp_path
     assert result["summary"]["worst_vs_best_other_points"] == worst
 
 
-def test_bench_replay_tables_show_a_gap_closed_just_below_zero_as_0_percent():
-    """Rounded with a format, -0.3% printed as '-0%' in docs/caching.md."""
+def bench_replay_module():
+    """scripts/bench_replay.py as a module."""
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_replay.py"
     spec = importlib.util.spec_from_file_location("bench_replay", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_replay_replays_windows_spread_over_each_trace_each_alone(tmp_path):
+    synthetic_trace(100, 3, 16, 2, seed=3).save(tmp_path / "t.npz")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_replay.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), "--capacity", "0.25",
+                          "--capacity", "0.5", "--windows", "16"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)["windows"]["16"]
+    assert found["all"]["rows"] == found["t.npz"]["rows"] == 6 * 2  # 100 // 16 windows
+    assert set(found["all"]["share_below_by_over_half_a_point"]) >= {"lru", "cyclic", "lfu/layer"}
+    trace = Trace.load(tmp_path / "t.npz")
+    cuts = bench_replay_module().windows(trace, 16)  # evenly spread, none overlapping
+    assert [cut.experts.tolist() for cut in cuts] == [
+        trace.experts[start:start + 16].tolist() for start in (0, 16, 33, 50, 67, 84)]
+
+
+def test_bench_replay_counts_a_policy_below_the_best_baseline_but_itself_by_over_half_a_point():
+    rows = [{"hit_rate": {"lru": 0.5, "lfu": 0.6, "slru": 0.55, "cyclic": 0.596,
+                          "belady": 0.9}},
+            {"hit_rate": {"lru": 0.7, "lfu": 0.6, "slru": 0.55, "cyclic": 0.69,
+                          "belady": 0.9}}]
+    found = bench_replay_module().below_best_other(rows)
+    assert found["share_below_by_over_half_a_point"] == {"lru": 0.5, "lfu": 0.5, "slru": 1.0,
+                                                         "cyclic": 0.5}
+    assert found["mean_points"]["lfu"] == -2.5  # +5 over slru, then -10 under lru
+    assert "belady" not in found["mean_points"]
+
+
+def test_bench_replay_tables_show_a_gap_closed_just_below_zero_as_0_percent():
+    """Rounded with a format, -0.3% printed as '-0%' in docs/caching.md."""
+    bench = bench_replay_module()
     row = {"capacity": 0.1, "hit_rate": {"lru": 0.2}, "best_other": "lfu/layer",
            "gap_closed": -0.003}
     table = bench.markdown({"t.npz": {"tokens": 8, "layers": 2, "num_experts": 4, "top_k": 2,
