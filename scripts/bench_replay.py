@@ -154,7 +154,8 @@ def plot(results: dict[str, dict], path: Path) -> bool:
 @click.option("--first", "firsts", type=click.IntRange(1), multiple=True,
               help="Also replay each trace's first N tokens alone (repeatable).")
 @click.option("--windows", "window_sizes", type=click.IntRange(1), multiple=True,
-              help="Also replay up to 64 N-token windows of each trace, each alone (repeatable).")
+              help=f"Also replay up to {WINDOWS_PER_TRACE} N-token windows of each trace, each "
+                   "alone (repeatable).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the tables as markdown here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),

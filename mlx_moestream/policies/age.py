@@ -38,7 +38,7 @@ class LayerAge(ScoredCyclic, name="age"):
         self.age_offers = np.full(self.ages, 2.0)  # and keys of that age at a call
         self.tokens, self.rescaled, self.weight = 0, 0.0, 1.0
 
-    def _age(self, layers, ahead) -> np.ndarray:
+    def _age(self, layers: int | slice, ahead: int | np.ndarray) -> np.ndarray:
         """The age of each key of `layers` at its layer's call `ahead` calls from the latest."""
         calls_ago = (self.calls[layers] + ahead)[..., None] - self.last[layers]
         age = np.log2(calls_ago).astype(np.int64).clip(max=self.ages - 2)
