@@ -80,8 +80,9 @@ def windows(trace: Trace, tokens: int) -> list[Trace]:
 
 
 def below_best_other(rows: list[dict]) -> dict:
-    """Per online policy, over `rows` (bench_trace's), the share of rows where it is more than
-    half a point below the best baseline other than itself, and its mean distance to it."""
+    """Per online policy, over the `rows` (bench_trace's) that replayed it (a split per layer
+    needs room for every layer's top-k): their number, the share where it is more than half a
+    point below the best baseline other than itself, and its mean distance to it."""
     points: dict[str, list[float]] = {}
     for row in rows:
         rates = row["hit_rate"]
@@ -90,7 +91,7 @@ def below_best_other(rows: list[dict]) -> dict:
                 best = max(v for n, v in rates.items()
                            if n.split("/")[0] in BASELINES and n != name)
                 points.setdefault(name, []).append(100 * (rates[name] - best))
-    return {"rows": len(rows),
+    return {"rows": {n: len(p) for n, p in points.items()},
             "share_below_by_over_half_a_point": {
                 n: round(float(np.mean(np.array(p) < -0.5)), 3) for n, p in points.items()},
             "mean_points": {n: round(float(np.mean(p)), 2) for n, p in points.items()}}
@@ -199,8 +200,8 @@ def main(folders: tuple[Path, ...], capacities: tuple[float, ...], firsts: tuple
     out = {"summary": summary, "traces": results}
     if window_rows:
         out["windows"] = {
-            str(n): {"all": below_best_other([row for rows in found.values() for row in rows]),
-                     **{file: below_best_other(rows) for file, rows in found.items()}}
+            str(n): {"all": below_best_other([row for cut in found.values() for row in cut]),
+                     **{file: below_best_other(cut) for file, cut in found.items()}}
             for n, found in window_rows.items()}
     click.echo(json.dumps(out, indent=1))
     if markdown_path:

@@ -503,10 +503,11 @@ def test_cyclic_victims_with_a_bad_protected_key_leave_every_key_evictable():
     assert policy.victims(3, set()) == [3, 1, 2]
 
 
-def test_cyclic_refuses_seed_counts_that_overflow():
+@pytest.mark.parametrize("name", ["lfu", "slru", "wlfu", "markov", "age", "cyclic"])
+def test_a_policy_refuses_seed_counts_that_overflow(name):
     """An infinite count, halved to nothing by a long tick, is NaN, which no comparison
-    orders: the policy took keys from an empty heap."""
-    policy = make_policy("cyclic", 4, 4, num_experts=4)
+    orders: `cyclic` took keys from an empty heap, the numpy policies found every key in use."""
+    policy = make_policy(name, 4, 4, num_experts=4)
     policy.seed({1: 1e308})
     with pytest.raises(ValueError, match="overflow"):
         policy.seed({1: 1e308})
@@ -701,7 +702,7 @@ def test_seed_rejects_unknown_keys_and_bad_counts(counts):
 
 
 def test_unknown_policy_name_lists_the_known_ones():
-    known = "belady, cyclic, lfu, lru, markov, next-call, slru, wlfu"
+    known = "age, belady, cyclic, lfu, lru, markov, next-call, slru, wlfu"
     with pytest.raises(ValueError, match=f"unknown policy 'fifo'.*{known}"):
         make_policy("fifo", 4, 8)
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):

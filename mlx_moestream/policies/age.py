@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .base import ScoredCyclic, add_counts, decay_per_token
+from .base import ScoredCyclic, add_counts, check_blend, decay_per_token
 
 
 class LayerAge(ScoredCyclic, name="age"):
@@ -17,8 +17,9 @@ class LayerAge(ScoredCyclic, name="age"):
     `half_life` tokens) and a rate learned online. Here that rate is per age: how often keys
     whose latest use was 1, 2-3, 4-7, ... calls of their layer ago (or never) are used at its
     next call. `cyclic`'s two groups are its first age and the rest merged; finer ages keep an
-    expert that comes back a few calls later, as LRU does. The ages run to four half-lives,
-    past which the counts hold little. Ranking by a use chance learned per age is LHD's
+    expert that comes back a few calls later. The oldest age starts at the largest power of two
+    up to four half-lives (in calls), past which the counts hold little; pre-warmed keys rank
+    as never used, on their seeded counts. Ranking by a use chance learned per age is LHD's
     (Beckmann et al., NSDI 2018). Prefetched keys that no call used go first.
     Pure numpy, for replay: a victim search reads every key.
     """
@@ -26,7 +27,8 @@ class LayerAge(ScoredCyclic, name="age"):
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
                  half_life: int = 32, freq_share: float = 0.5):
         super().__init__(capacity, num_keys, num_experts)
-        self.per_token = decay_per_token(half_life, freq_share)
+        check_blend(half_life, freq_share)
+        self.per_token = decay_per_token(half_life)
         self.half_life, self.freq_share = half_life, freq_share
         # 1, 2-3, ..., then all from 4 half-lives (ages of more calls ago), then never used
         self.ages = int(math.log2(4 * half_life)) + 2

@@ -124,26 +124,35 @@ class Resident:
         return key
 
 
-def decay_per_token(half_life: int, freq_share: float) -> float:
-    """Check the options of a blend of use rate and group rate (`cyclic`, `age`), and return the
-    share a count loses per token: steady use, one per token, adds up to `1 / it`."""
+def check_blend(half_life: int, freq_share: float) -> None:
+    """Refuse options of a blend of use rate and learned rate (`cyclic`, `age`) out of range."""
     if half_life < 1:
         raise ValueError(f"half_life must be at least 1 token, got {half_life}")
     if not 0.0 <= freq_share < 1.0:
         raise ValueError(f"freq_share must be in [0, 1), got {freq_share}")
-    # its exact form is 0 past 2**53 tokens
-    return 1.0 - 0.5 ** (1.0 / half_life) or math.log(2) / half_life
+
+
+def decay_per_token(half_life: int) -> float:
+    """The share a count halving every `half_life` tokens loses per token: steady use, one per
+    token, adds up to `1 / it`."""
+    return 1.0 - 0.5 ** (1.0 / half_life) or math.log(2) / half_life  # exact form: 0 past 2**53
 
 
 def add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0) -> None:
-    """Add seeded `counts` ({key: count}), times `weight`, to `count`, refusing bad ones."""
+    """Add seeded `counts` ({key: count}), times `weight`, to `count`, refusing bad ones and
+    any sum a float cannot hold (a NaN count makes every comparison false)."""
     keys = np.fromiter(counts.keys(), np.int64, len(counts))
     values = np.fromiter(counts.values(), np.float64, len(counts))
     if len(keys) and (keys.min() < 0 or keys.max() >= len(count)):
         raise ValueError(f"seed keys must be in [0, {len(count)}), got {keys.min()}..{keys.max()}")
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("seed counts must be finite and non-negative")
-    np.add.at(count, keys, values * weight)
+    added = count.copy()
+    with np.errstate(over="ignore"):  # an overflow is refused below, not warned of
+        np.add.at(added, keys, values * weight)
+    if not np.isfinite(added).all():
+        raise ValueError("seed counts too large: the policy's counts overflow")
+    count[:] = added
 
 
 class ScoredCyclic(Policy):
@@ -161,7 +170,7 @@ class ScoredCyclic(Policy):
         self.position = 0  # layer of the current call
 
     def use_chances(self) -> np.ndarray:
-        """`[layers, experts]`: each key's chance of a use at its layer's next call."""
+        """`[layers, experts]`: each key's predicted chance of a use at its layer's coming call."""
         raise NotImplementedError
 
     def insert(self, keys: list[int]) -> None:

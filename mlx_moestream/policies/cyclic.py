@@ -8,9 +8,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
-
-from .base import Policy, add_counts, decay_per_token
+from .base import Policy, add_counts, check_blend, decay_per_token
 
 try:
     import mlx_moestream.policies._cyclic as _cyclic
@@ -50,16 +48,12 @@ class LayerCyclic(_cyclic.CyclicCore, Policy, name="cyclic"):
 
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
                  half_life: int = 32, freq_share: float = 0.5):
-        per_token = decay_per_token(half_life, freq_share)
+        check_blend(half_life, freq_share)
+        per_token = decay_per_token(half_life)
         self.capacity = capacity
         group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
         super().__init__(num_keys, num_experts or num_keys, half_life, group_weight)
 
     def seed(self, counts: dict[int, float]) -> None:
-        count = self.count.copy()
-        with np.errstate(over="ignore"):  # an overflow is refused below, not warned of
-            add_counts(count, counts, self.weight)
-        if not np.isfinite(count).all():  # a NaN count would make every comparison false
-            raise ValueError("seed counts too large: the policy's counts overflow")
-        self.count[:] = count
+        add_counts(self.count, counts, self.weight)
         self._rescale(1.0)
