@@ -623,6 +623,17 @@ def test_age_keeps_an_expert_that_returns_every_fourth_call_where_lru_and_cyclic
     assert victims == {"age": 5, "cyclic": 4, "lru": 4}  # 4 is due next, 5 two calls later
 
 
+def test_age_ranks_the_called_layer_s_other_experts_at_the_call_after():
+    """Calls alternate 0 and 1, each expert used again two calls later. Now a call uses 2:
+    1, used at the latest call, is due at the next one and stays; 0 was due at this one."""
+    policy = make_policy("age", 2, 3, num_experts=3)
+    for call in range(20):
+        policy.tick(1)
+        policy.access([call % 2], [call % 2] if call < 2 else [])
+    policy.tick(1)
+    assert _victim(policy, {2}) == 0
+
+
 def test_belady_evicts_the_key_used_farthest_in_the_future():
     future = np.array([0, 1, 2, 1, 0])
     policy = Belady(2, 4, future)
