@@ -54,11 +54,12 @@ def hf_reference():
     cache = {}
 
     def get(path, dtype, implementation=None):
-        if (path, implementation) not in cache:
+        key = path, dtype, implementation
+        if key not in cache:
             named = {"experts_implementation": implementation} if implementation else {}
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **named)
-            cache[path, implementation] = run(model)
-        return cache[path, implementation]
+            cache[key] = run(model)
+        return cache[key]
 
     return get
 

@@ -124,10 +124,15 @@ class Resident:
         return key
 
 
+def check_tokens(value: int, option: str = "half_life") -> None:
+    """Refuse a policy option counted in tokens below 1."""
+    if value < 1:
+        raise ValueError(f"{option} must be at least 1 token, got {value}")
+
+
 def check_blend(half_life: int, freq_share: float) -> None:
     """Refuse options of a blend of use rate and learned rate (`cyclic`, `age`) out of range."""
-    if half_life < 1:
-        raise ValueError(f"half_life must be at least 1 token, got {half_life}")
+    check_tokens(half_life)
     if not 0.0 <= freq_share < 1.0:
         raise ValueError(f"freq_share must be in [0, 1), got {freq_share}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ScoredCyclic, add_counts
+from .base import ScoredCyclic, add_counts, check_tokens
 
 MAX_HALVINGS = 512  # counts are rescaled before a weight of 2**512 nears a float's limit
 
@@ -27,9 +27,8 @@ class LayerMarkov(ScoredCyclic, name="markov"):
     def __init__(self, capacity: int, num_keys: int, num_experts: int | None = None,
                  half_life: int = 32, memory: int = 256):
         super().__init__(capacity, num_keys, num_experts)
-        for option, value in (("half_life", half_life), ("memory", memory)):
-            if value < 1:
-                raise ValueError(f"{option} must be at least 1 token, got {value}")
+        check_tokens(half_life)
+        check_tokens(memory, "memory")
         self.half_life, self.memory = half_life, memory
         shape = (self.layers, self.experts)
         self.count = np.zeros(shape)  # decayed uses, times `weight`

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Policy, Resident, all_in_use
+from .base import Policy, Resident, all_in_use, check_tokens
 from .future import Future
 
 
@@ -27,8 +27,7 @@ class NextCall(Policy, name="next-call"):
         if future is None or future.token_end is None:
             raise ValueError("next-call is offline, for replay only: it needs the future "
                              "routing and its tokens")
-        if half_life < 1:
-            raise ValueError(f"half_life must be at least 1 token, got {half_life}")
+        check_tokens(half_life)
         self.future = future
         self.num_experts = num_experts or num_keys
         self.layers = num_keys // self.num_experts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Policy, add_counts, all_in_use
+from .base import Policy, add_counts, all_in_use, check_tokens
 
 MAX_RECENT_TOKENS = 1024  # the guard keeps a list this long, updated every token
 _RANK_SIZE = 256  # candidates sorted at once: more than a token evicts at common shapes
@@ -23,8 +23,7 @@ class WindowLFU(Policy, name="wlfu"):
     def __init__(self, capacity: int, num_keys: int, half_life: int = 64, recent_tokens: int = 2,
                  guard_share: float = 0.75):
         super().__init__(capacity, num_keys)
-        if half_life < 1:
-            raise ValueError(f"half_life must be at least 1 token, got {half_life}")
+        check_tokens(half_life)
         if not 1 <= recent_tokens <= MAX_RECENT_TOKENS:  # a longer guard holds every key
             raise ValueError(f"recent_tokens must be in [1, {MAX_RECENT_TOKENS}], got "
                              f"{recent_tokens}")
