@@ -1,6 +1,6 @@
-"""The compiled part of the package (the default eviction policy's core); the rest of the
-metadata is in pyproject.toml. The module carries the digest of the source it was built from,
-so that a checkout whose source changed since (a pull) refuses the stale build."""
+"""The compiled part of the package (the cores of the `cyclic` and `age` eviction policies); the
+rest of the metadata is in pyproject.toml. Each module carries the digest of the source it was
+built from, so that a checkout whose source changed since (a pull) refuses the stale build."""
 
 import hashlib
 from pathlib import Path
@@ -8,9 +8,14 @@ from pathlib import Path
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-SOURCE = "mlx_moestream/policies/_cyclic.pyx"
-digest = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
-setup(ext_modules=cythonize(
-    [Extension("mlx_moestream.policies._cyclic", [SOURCE],
-               define_macros=[("SOURCE_DIGEST", f'"{digest}"')])],
-    language_level=3))
+
+def extension(name: str) -> Extension:
+    source = f"mlx_moestream/policies/{name}.pyx"
+    digest = hashlib.sha256((Path(__file__).parent / source).read_bytes()).hexdigest()
+    # no fused multiply-add: a policy ranks keys by the same floats on every machine
+    return Extension(f"mlx_moestream.policies.{name}", [source],
+                     define_macros=[("SOURCE_DIGEST", f'"{digest}"')],
+                     extra_compile_args=["-ffp-contract=off"])
+
+
+setup(ext_modules=cythonize([extension("_cyclic"), extension("_age")], language_level=3))

@@ -23,6 +23,7 @@ from mlx_moestream.policies import (
     make_policy,
     wlfu,
 )
+from mlx_moestream.policies.base import ScoredCyclic
 from mlx_moestream.policies.cyclic import LayerCyclic
 from mlx_moestream.replay import replay, sweep
 from mlx_moestream.trace import Trace, synthetic_trace
@@ -445,6 +446,95 @@ def test_cyclic_keeps_its_rule_through_prefetches_failed_loads_and_unsorted_call
                 unused = [k for k in unused if k != key]
     assert checked > 100
     assert set(fast.victims(len(resident), set())) == resident  # it lost track of none
+
+
+class SlowAge(ScoredCyclic):
+    """`LayerAge`'s rule in numpy over every key: `p` blends the decayed use rate with the rate
+    per age as it was when the token started."""
+
+    def __init__(self, layers, experts, half_life=32, freq_share=0.5):
+        super().__init__(layers * experts, layers * experts, experts)
+        self.half_life, self.freq_share = half_life, freq_share
+        self.ages = int(np.log2(4 * half_life)) + 2
+        self.count = np.zeros((layers, experts))
+        self.last = np.full((layers, experts), -1)
+        self.calls = np.zeros(layers, np.int64)
+        self.uses, self.offers = np.ones(self.ages), np.full(self.ages, 2.0)
+        self.tokens = 0
+
+    def _age(self, layers, ahead):
+        calls_ago = (self.calls[layers] + ahead)[..., None] - self.last[layers]
+        age = np.log2(calls_ago).astype(np.int64).clip(max=self.ages - 2)
+        return np.where(self.last[layers] < 0, self.ages - 1, age)
+
+    def tick(self, tokens):
+        self.tokens += tokens
+        self.weight = 2.0 ** (self.tokens / self.half_life)
+        self.by_age = self.uses / self.offers
+
+    def access(self, keys, new=()):
+        layer = keys[0] // self.experts
+        used = np.asarray(keys) - layer * self.experts
+        age = self._age(layer, 1)
+        self.offers += self.weight * np.bincount(age, minlength=self.ages)
+        self.uses += self.weight * np.bincount(age[used], minlength=self.ages)
+        self.calls[layer] += 1
+        self.last[layer, used] = self.calls[layer]
+        self.count[layer, used] += self.weight
+        self.state[keys] = 2
+        self.position = (layer + 1) % self.layers
+
+    def use_chances(self):
+        ahead = np.ones(self.layers, np.int64)
+        ahead[self.position] = 2
+        rate = self.count * ((1 - 0.5 ** (1 / self.half_life)) / self.weight)
+        return (self.freq_share * rate
+                + (1.0 - self.freq_share) * self.by_age[self._age(slice(None), ahead)])
+
+
+@pytest.mark.parametrize("slots", [10, 24, 48, 90])
+def test_age_evicts_the_keys_of_least_use_chance_per_layer_call_held(slots):
+    """The compiled policy against its rule over every key, through prefetches (unused, they go
+    first, least key first), failed loads and calls in any order: the same victims, in order."""
+    layers, experts = 6, 16
+    trace = synthetic_trace(200, layers, experts, 4, repeat=0.4, seed=3)
+    rng = np.random.default_rng(3)
+    fast = make_policy("age", slots, layers * experts, num_experts=experts)
+    slow = SlowAge(layers, experts)
+    resident, checked = set(), 0
+
+    def make_room(keys, protected):
+        nonlocal checked
+        new = [k for k in keys if k not in resident]
+        if len(new) > slots - len(resident):
+            victims = fast.victims(len(new) - slots + len(resident), protected)
+            assert victims == slow.victims(len(victims), protected)
+            resident.difference_update(victims)
+            checked += len(victims)
+        resident.update(new)
+        return new
+
+    for t in range(trace.tokens):
+        fast.tick(1)
+        slow.tick(1)
+        for layer in range(layers):
+            keys = [layer * experts + int(e) for e in rng.permutation(trace.experts[t, layer])]
+            new = make_room(keys, set(keys))
+            fast.access(keys, new)
+            slow.access(keys, new)
+            if rng.random() < 0.3:  # a prefetch of the next layer
+                after = (layer + 1) % layers
+                guess = [after * experts + int(e) for e in rng.choice(experts, 2, replace=False)]
+                guess = make_room([k for k in guess if k not in resident], set(guess))
+                fast.insert(guess)
+                slow.insert(guess)
+            elif rng.random() < 0.1 and resident:  # a failed load
+                key = int(rng.choice(sorted(resident)))
+                fast.remove(key)
+                slow.remove(key)
+                resident.discard(key)
+    assert checked > 50
+    assert fast.victims(len(resident), set()) == slow.victims(len(resident), set())
 
 
 @pytest.mark.parametrize("call", [[0, 16], [-1], [32]])

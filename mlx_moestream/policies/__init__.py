@@ -2,8 +2,8 @@
 
 `ExpertCache` owns residency and asks a policy only to rank; the live runtime, trace replay and
 every backend share the policies. Each registers its name (`Policy.registry`), from which
-`make_policy` builds it. The default's module imports the compiled part, and is imported only
-when a name needs it, so the pure-Python policies run without the build.
+`make_policy` builds it. The modules of the compiled policies (`cyclic`, `age`) are imported
+only when a name needs them, so the pure-Python policies run without the build.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 from importlib import import_module
 
-from .age import LayerAge
 from .base import Policy
 from .belady import Belady
 from .classic import LFU, LRU, SLRU
@@ -25,22 +24,25 @@ __all__ = ["DEFAULT_POLICY", "LFU", "LRU", "POLICIES", "SLRU", "Belady", "Future
            "make_policy", "parse_policy", "policy_class"]
 
 DEFAULT_POLICY = "cyclic"
+COMPILED = {"LayerCyclic": ".cyclic", "LayerAge": ".age"}  # the modules of the compiled ones
 
 
 def __getattr__(name: str):
-    """`POLICIES` (every policy by name) and `LayerCyclic`, once the compiled part imports."""
+    """`POLICIES` (every policy by name), `LayerCyclic` and `LayerAge`, once the compiled part
+    imports."""
     if name == "POLICIES":
         return _registry()
-    if name == "LayerCyclic":
-        return import_module(".cyclic", __name__).LayerCyclic
+    if name in COMPILED:
+        return getattr(import_module(COMPILED[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _registry(name: str | None = None) -> dict[str, type[Policy]]:
-    """Every policy by name; the compiled policy's module is imported unless `name` is a policy
-    registered without it."""
+    """Every policy by name; the compiled policies' modules are imported unless `name` is a
+    policy registered without them."""
     if name not in Policy.registry:
-        import_module(".cyclic", __name__)
+        for module in COMPILED.values():
+            import_module(module, __name__)
     return Policy.registry
 
 

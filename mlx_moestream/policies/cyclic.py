@@ -1,36 +1,11 @@
-"""The default policy, `cyclic`, over its compiled core (`_cyclic.pyx`, beside this file).
-
-The only module that imports the compiled part, so that the other policies work without a build.
-"""
+"""The `cyclic` policy over its compiled core (`_cyclic.pyx`, beside this file)."""
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 from .base import Policy, add_counts, check_blend, decay_per_token
+from .compiled import load
 
-try:
-    import mlx_moestream.policies._cyclic as _cyclic
-except ModuleNotFoundError:  # a checkout used as it is
-    raise ImportError("mlx_moestream's compiled part (_cyclic.pyx) is not built: run "
-                      "`pip install -e .` in the checkout") from None
-
-
-def _check_build() -> None:
-    """Refuse a compiled part built from other source than the one beside this file.
-
-    After a pull that changed the source, or with another checkout's build found through a
-    shared environment, it would run other code than the source reads. A wheel has no source.
-    """
-    source = Path(__file__).with_name("_cyclic.pyx")
-    if (source.exists()
-            and hashlib.sha256(source.read_bytes()).hexdigest() != _cyclic.SOURCE_DIGEST):
-        raise ImportError(f"{source} is not the source of mlx_moestream's compiled part "
-                          f"({_cyclic.__file__}): run `pip install -e .` in this checkout")
-
-
-_check_build()
+_cyclic = load("_cyclic")
 
 
 class LayerCyclic(_cyclic.CyclicCore, Policy, name="cyclic"):
