@@ -79,9 +79,10 @@ def time_once(name: str, slots: int, rows: list[list[list[int]]], num_experts: i
     layers = len(rows[0])
     num_keys = layers * num_experts
     options = {}
-    if policy_class(name).offline:  # it is given the rows ahead
+    if policy_class(name).offline:  # it is given the rows ahead, and their keys per token
         future = [l * num_experts + e for row in rows for l, r in enumerate(row) for e in r]
-        options["future"] = Future(future, num_keys)
+        per_token = [sum(map(len, row)) for row in rows]
+        options["future"] = Future(future, num_keys, np.array(per_token))
     new_policy = partial(make_policy, name, num_keys=num_keys, num_experts=num_experts,
                          **options)
     stats = Stats([f"layer{i}" for i in range(layers)], num_experts)

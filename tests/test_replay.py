@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlx_moestream.policies import POLICIES
 from mlx_moestream.replay import _segments, capacity_slots, plot_sweep, replay, sweep, trace_profile
 from mlx_moestream.errors import TraceError
 from mlx_moestream.trace import Trace, TraceRecorder, synthetic_trace
@@ -656,6 +657,17 @@ def test_bench_replay_also_replays_the_first_tokens_of_each_trace_alone(tmp_path
     assert result["summary"]["rows"] == 2
     worst = min(r["rows"][0]["vs_best_other_points"] for r in result["traces"].values())
     assert result["summary"]["worst_vs_best_other_points"] == worst
+
+
+def test_bench_policy_times_every_policy_the_offline_ones_included():
+    """`next-call` needs the replay's keys per token: without them the script stopped there."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_policy.py"
+    out = subprocess.run([sys.executable, str(script), "--layers", "2", "--experts", "8",
+                          "--top-k", "2", "--tokens", "16", "--runs", "1", "--repeat", "0.1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cost = json.loads(out.stdout)["bookkeeping_us_per_layer_token"]
+    assert set(cost) == set(POLICIES) and {"next-call", "belady"} <= set(cost)
 
 
 def bench_replay_module():
