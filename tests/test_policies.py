@@ -617,28 +617,30 @@ def test_cyclic_victims_of_an_uninitialized_policy_is_an_error():
 
 
 def test_a_compiled_policy_built_from_another_source_refuses_to_load():
-    """After a pull that changed `_cyclic.pyx`, or with another checkout's build found through
-    a shared environment, the build is not of the source beside it: the import says so, rather
-    than run other code than the source reads. (The build at hand is of its source: every
-    other test imports it.)"""
-    load = ("from mlx_moestream.policies import _cyclic; _cyclic.SOURCE_DIGEST = 'another'; "
+    """After a pull that changed `_core.pyx` or a file it includes, or with another checkout's
+    build found through a shared environment, the build is not of the sources beside it: the
+    import says so, rather than run other code than the sources read. (The build at hand is of
+    its sources: every other test imports it.)"""
+    load = ("from mlx_moestream.policies import _core; _core.SOURCE_DIGEST = 'another'; "
             "import mlx_moestream.policies.cyclic")
     done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert "_cyclic.pyx is not the source" in last and "pip install -e ." in last
+    assert "_core.pyx and the files it includes are not the source" in last
+    assert "pip install -e ." in last
 
 
 def test_the_program_says_in_one_line_that_the_compiled_policy_is_stale():
     """`mlx-moestream` (its console script runs `__main__.main`) in a checkout not rebuilt after
     a pull: the refused import is one line, not a traceback."""
-    run = ("import sys; from mlx_moestream.policies import _cyclic; "
-           "_cyclic.SOURCE_DIGEST = 'another'; "
+    run = ("import sys; from mlx_moestream.policies import _core; "
+           "_core.SOURCE_DIGEST = 'another'; "
            "from mlx_moestream.__main__ import main; sys.argv = ['mlx-moestream', '--help']; main()")
     done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True)
     assert done.returncode == 1
     assert done.stderr.startswith("mlx-moestream: ") and done.stderr.count("\n") == 1
-    assert "_cyclic.pyx is not the source" in done.stderr and "pip install -e ." in done.stderr
+    assert "_core.pyx and the files it includes are not the source" in done.stderr
+    assert "pip install -e ." in done.stderr
 
 
 def test_cyclic_below_one_token_of_experts_keeps_what_the_next_layers_use():

@@ -1,16 +1,14 @@
-"""The `age` policy over its compiled core (`_age.pyx`, beside this file)."""
+"""The `age` policy over its compiled core (`_core_age.pxi`, beside this file)."""
 
 from __future__ import annotations
 
 import math
 
 from .base import Policy, add_counts, check_blend, decay_per_token
-from .compiled import load
-
-_age = load("_age")
+from .compiled import core
 
 
-class LayerAge(_age.AgeCore, Policy, name="age"):
+class LayerAge(core.AgeCore, Policy, name="age"):
     """Evicts the expert of least `p / d`, `p` learned from how many calls ago it was used.
 
     As in `cyclic`, `d` is the number of layer calls until the key's layer is called again and

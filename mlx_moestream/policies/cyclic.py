@@ -1,14 +1,12 @@
-"""The `cyclic` policy over its compiled core (`_cyclic.pyx`, beside this file)."""
+"""The `cyclic` policy over its compiled core (`_core_cyclic.pxi`, beside this file)."""
 
 from __future__ import annotations
 
 from .base import Policy, add_counts, check_blend, decay_per_token
-from .compiled import load
-
-_cyclic = load("_cyclic")
+from .compiled import core
 
 
-class LayerCyclic(_cyclic.CyclicCore, Policy, name="cyclic"):
+class LayerCyclic(core.CyclicCore, Policy, name="cyclic"):
     """Evicts the expert that promises the fewest uses per slot held until its layer's next call.
 
     Every token calls the MoE layers in order, so an expert of layer j waits `d` layer calls for

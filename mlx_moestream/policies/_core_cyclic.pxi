@@ -1,25 +1,8 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The state and hot calls of `policies.cyclic.LayerCyclic`, compiled: its rule is documented there.
-
-It runs on every MoE layer call, where CPython spent 7 us per layer per token (top-k 8 of 128
-experts) over a few hundred bytecodes. Each key's state lives in numpy arrays read through raw
-pointers, every key the caller passes checked against `num_keys` first. A call's cost does not
-grow with the resident keys: a layer's keys outside its latest call have one entry at most in
-its heap of (count, key), mended when it surfaces, and victims come from the layer of best bound
-while they beat the next best.
-"""
-
-import numpy as np
-
-from mlx_moestream.policies.base import all_in_use
-
-from libc.math cimport INFINITY, pow
-
-cdef extern from *:
-    const char* _SOURCE_DIGEST "SOURCE_DIGEST"  # given by setup.py
-
-SOURCE_DIGEST = _SOURCE_DIGEST.decode()  # sha256 of this file as it was built
-cdef double INF = INFINITY
+# The core of `policies.cyclic.LayerCyclic`, included by _core.pyx.
+#
+# A call's cost does not grow with the resident keys: a layer's keys outside its latest call have
+# one entry at most in its heap of (count, key), mended when it surfaces, and victims come from
+# the layer of best bound while they beat the next best.
 
 
 cdef inline bint _below(double c1, Py_ssize_t k1, double c2, Py_ssize_t k2) noexcept:
@@ -31,16 +14,8 @@ cdef inline double _score(double distance, double value) noexcept:
     return distance / value if value else INF
 
 
-cdef class CyclicCore:
-    cdef readonly Py_ssize_t experts, layers, num_keys
-    cdef readonly object count  # decayed uses per key, times `weight` (float64)
-    cdef readonly double weight
-    cdef list unused  # prefetched keys, in order
-    cdef list _arrays  # the arrays the pointers below read
-    cdef double* _count
-    cdef signed char* state  # 0: not resident, 1: prefetched, unused, 2: used
+cdef class CyclicCore(KeyedCore):
     cdef char* in_heap
-    cdef char* protected
     cdef long long* stamp
     cdef long long* call_stamp
     cdef Py_ssize_t* latest  # per layer, `experts` places: the keys of its latest call
@@ -56,25 +31,14 @@ cdef class CyclicCore:
     cdef double* aside_count  # `_evict_least`'s scratch
     cdef Py_ssize_t* aside_key
     cdef Py_ssize_t* call_keys  # `access`'s keys, checked
-    cdef Py_ssize_t position  # layer of the current call: the one after the latest accessed
-    cdef long long calls_made, tokens, calls, reused, used, offered  # all from 0
-    cdef double rescaled  # halvings already applied to `count`, from 0
-    cdef double half_life, group_weight, bonus_latest, bonus_old
+    cdef long long calls_made, calls, reused, used, offered  # all from 0
+    cdef double group_weight, bonus_latest, bonus_old
     cdef double uses[2]
     cdef double chances[2]
 
     def __init__(self, num_keys: int, experts: int, half_life: int, group_weight: float):
-        if self.layers:
-            raise RuntimeError("a policy is initialized once")
-        if num_keys < 1 or experts < 1:
-            raise ValueError(f"a policy needs keys and experts, got {num_keys} and {experts}")
-        layers = -(-num_keys // experts)
-        self._arrays = []
-        self.count = np.zeros(num_keys)
-        self._count = <double*> self._held(self.count)
-        self.state = <signed char*> self._held(np.zeros(num_keys, np.int8))
+        layers = self._start(num_keys, experts, half_life)
         self.in_heap = <char*> self._held(np.zeros(num_keys, np.int8))
-        self.protected = <char*> self._held(np.zeros(num_keys, np.int8))
         self.stamp = <long long*> self._held(np.full(num_keys, -1, np.int64))
         self.call_stamp = <long long*> self._held(np.full(layers, -2, np.int64))
         self.latest = <Py_ssize_t*> self._held(np.zeros(layers * experts, np.intp))
@@ -90,29 +54,15 @@ cdef class CyclicCore:
         self.aside_count = <double*> self._held(np.empty(experts))
         self.aside_key = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
         self.call_keys = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
-        self.half_life, self.group_weight = half_life, group_weight
-        self.weight = 1.0  # what one use adds now
-        self.unused = []
+        self.group_weight = group_weight
         self._restart_rates()
-        # last: until then (an allocation failed) every call refuses, on sizes of 0
-        self.num_keys, self.experts, self.layers = num_keys, experts, layers
+        self._ready(num_keys, experts, layers)
         self._rates()
-
-    cdef size_t _held(self, object array) except 0:
-        """The address of `array`'s memory, which the policy keeps alive."""
-        self._arrays.append(array)
-        return array.ctypes.data
 
     cdef void _restart_rates(self) noexcept:
         """The uses and chances of the latest and of the other keys, before any call."""
         self.uses[0] = self.uses[1] = 1.0
         self.chances[0] = self.chances[1] = 2.0
-
-    cdef inline Py_ssize_t _key(self, object key) except -1:
-        cdef Py_ssize_t k = key
-        if k < 0 or k >= self.num_keys:
-            raise IndexError(f"key {k} is outside [0, {self.num_keys})")
-        return k
 
     def access(self, keys, new=()) -> None:
         # every key is read and checked once, before any change: a refused call leaves no
@@ -190,25 +140,11 @@ cdef class CyclicCore:
         if self.stamp[k] == self.call_stamp[layer]:
             self._latest_changed(layer)
 
-    def victims(self, Py_ssize_t n, protected) -> list:
-        cdef Py_ssize_t key
-        cdef list marked = [], chosen = []
-        if not self.layers:
-            raise RuntimeError("the policy was never initialized")
-        try:  # the protected keys are flagged for the step, and unflagged however it ends
-            for item in protected:
-                key = item
-                if 0 <= key < self.num_keys and not self.protected[key]:
-                    self.protected[key] = 1
-                    marked.append(key)
-            if self.unused:
-                chosen = self._unused_victims(n)
-            if len(chosen) < n:
-                self._evict(n, chosen)
-            return chosen
-        finally:
-            for key in marked:
-                self.protected[key] = 0
+    cdef int _choose(self, Py_ssize_t n, list marked, list chosen) except -1:
+        if self.unused:
+            chosen += self._unused_victims(n)
+        if len(chosen) < n:
+            self._evict(n, chosen)
 
     cdef int _evict(self, Py_ssize_t n, list chosen) except -1:
         """Take victims, best layer first, until `chosen` holds `n`."""
@@ -377,18 +313,6 @@ cdef class CyclicCore:
         self.bonus_old = scale * (self.uses[1] / self.chances[1])
         for layer in range(self.layers):
             self._note(layer)
-
-    def tick(self, tokens: int) -> None:
-        cdef double halvings
-        self._fold()
-        self.tokens += tokens
-        halvings = <double> self.tokens / self.half_life - self.rescaled
-        if halvings > 64:  # rescale long before the weight overflows; the order is unchanged
-            self._rescale(pow(0.5, halvings))
-            self.rescaled += halvings
-            halvings = 0.0
-        self.weight = pow(2.0, halvings)
-        self._rates()
 
     cdef void _fold(self) noexcept:
         """Add the calls tallied since the latest fold to the uses and chances, at the weight

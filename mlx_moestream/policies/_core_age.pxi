@@ -1,38 +1,17 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The state and hot calls of `policies.age.LayerAge`, compiled: its rule is documented there.
+# The core of `policies.age.LayerAge`, included by _core.pyx.
+#
+# A victim search compares each layer's best keys, found by a pass over the layer's used
+# resident keys. They hold until its call, its turn to be called, an eviction from it or the
+# next token (whose rates differ), so a search passes over the layers once and scans only
+# those that changed.
 
-A victim search compares each layer's best key, found by a pass over the layer's used resident
-keys. A layer's best holds until its call, its turn to be called, an eviction from it or the
-next token (whose rates differ), so a search passes over the layers once and scans only those
-that changed. Each key's state lives in numpy arrays read through raw pointers, every key the
-caller passes checked against `num_keys` first.
-"""
 
-import numpy as np
-
-from mlx_moestream.policies.base import all_in_use
-
-from libc.math cimport INFINITY, pow
-
-cdef extern from *:
-    const char* _SOURCE_DIGEST "SOURCE_DIGEST"  # given by setup.py
-    int __builtin_clzll(unsigned long long) noexcept
-
-SOURCE_DIGEST = _SOURCE_DIGEST.decode()  # sha256 of this file as it was built
-cdef double INF = INFINITY
 cdef enum:
     LEAST = 4  # members a scan keeps in order: a call evicts a few keys of one layer
 
 
-cdef class AgeCore:
-    cdef readonly Py_ssize_t experts, layers, num_keys, ages
-    cdef readonly object count  # decayed uses per key, times `weight` (float64)
-    cdef readonly double weight
-    cdef list unused  # prefetched keys, in order
-    cdef list _arrays  # the arrays the pointers below read
-    cdef double* _count
-    cdef signed char* state  # 0: not resident, 1: prefetched, unused, 2: used
-    cdef char* protected
+cdef class AgeCore(KeyedCore):
+    cdef readonly Py_ssize_t ages
     cdef long long* last  # per key (`experts` places a layer): its layer's call that last used it
     cdef long long* calls  # per layer: calls so far
     cdef Py_ssize_t* members  # per layer, `experts` places: its resident keys a call used
@@ -50,23 +29,12 @@ cdef class AgeCore:
     cdef long long* tally  # `access`'s scratch: keys per age
     cdef long long* tally_used
     cdef Py_ssize_t* call_keys  # `access`'s keys, checked
-    cdef Py_ssize_t position  # layer of the current call: the one after the latest accessed
     cdef Py_ssize_t resident  # keys not in state 0
-    cdef long long tokens
-    cdef double rescaled, half_life, freq_share, per_token, rate_scale
+    cdef double freq_share, per_token, rate_scale
 
     def __init__(self, num_keys: int, experts: int, half_life: int, freq_share: float,
                  per_token: float, ages: int):
-        if self.layers:
-            raise RuntimeError("a policy is initialized once")
-        if num_keys < 1 or experts < 1:
-            raise ValueError(f"a policy needs keys and experts, got {num_keys} and {experts}")
-        layers = -(-num_keys // experts)
-        self._arrays = []
-        self.count = np.zeros(num_keys)
-        self._count = <double*> self._held(self.count)
-        self.state = <signed char*> self._held(np.zeros(num_keys, np.int8))
-        self.protected = <char*> self._held(np.zeros(num_keys, np.int8))
+        layers = self._start(num_keys, experts, half_life)
         self.last = <long long*> self._held(np.full(layers * experts, -1, np.int64))
         self.calls = <long long*> self._held(np.zeros(layers, np.int64))
         self.members = <Py_ssize_t*> self._held(np.zeros(layers * experts, np.intp))
@@ -84,22 +52,9 @@ cdef class AgeCore:
         self.tally = <long long*> self._held(np.zeros(ages, np.int64))
         self.tally_used = <long long*> self._held(np.zeros(ages, np.int64))
         self.call_keys = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
-        self.half_life, self.freq_share, self.per_token = half_life, freq_share, per_token
-        self.weight, self.rate_scale = 1.0, per_token
-        self.unused = []
-        # last: until then (an allocation failed) every call refuses, on sizes of 0
-        self.num_keys, self.experts, self.layers, self.ages = num_keys, experts, layers, ages
-
-    cdef size_t _held(self, object array) except 0:
-        """The address of `array`'s memory, which the policy keeps alive."""
-        self._arrays.append(array)
-        return array.ctypes.data
-
-    cdef inline Py_ssize_t _key(self, object key) except -1:
-        cdef Py_ssize_t k = key
-        if k < 0 or k >= self.num_keys:
-            raise IndexError(f"key {k} is outside [0, {self.num_keys})")
-        return k
+        self.freq_share, self.per_token, self.rate_scale = freq_share, per_token, per_token
+        self.ages = ages
+        self._ready(num_keys, experts, layers)
 
     cdef inline Py_ssize_t _age(self, long long last, long long call) noexcept:
         """The age at its layer's call number `call` of a key last used at call `last`."""
@@ -189,30 +144,23 @@ cdef class AgeCore:
     def remove(self, key) -> None:
         self._leave(self._key(key), 0)
 
-    def victims(self, Py_ssize_t n, protected) -> list:
+    cdef int _choose(self, Py_ssize_t n, list marked, list chosen) except -1:
         cdef Py_ssize_t key, busy = 0
-        cdef list marked = [], chosen = []
-        if not self.layers:
-            raise RuntimeError("the policy was never initialized")
-        try:  # the protected keys are flagged for the step, and unflagged however it ends
-            for item in protected:
-                key = item
-                if 0 <= key < self.num_keys and not self.protected[key]:
-                    self.protected[key] = 1
-                    self.stale[key // self.experts] = 1  # its best may be protected
-                    marked.append(key)
-                    busy += self.state[key] != 0
-            if self.resident - busy < n:
-                raise all_in_use()
-            if self.unused:
-                chosen = self._unused_victims(n)
-            if len(chosen) < n:
-                self._evict(n, chosen)
-            return chosen
-        finally:
-            for key in marked:
-                self.protected[key] = 0
-                self.stale[key // self.experts] = 1
+        for key in marked:
+            self.stale[key // self.experts] = 1  # its least may be protected
+            busy += self.state[key] != 0
+        if self.resident - busy < n:
+            raise all_in_use()
+        if self.unused:
+            chosen += self._unused_victims(n)
+        if len(chosen) < n:
+            self._evict(n, chosen)
+
+    cdef int _released(self, list marked) except -1:
+        cdef Py_ssize_t key
+        for key in marked:
+            self.stale[key // self.experts] = 1
+        return 0
 
     cdef list _unused_victims(self, Py_ssize_t n):
         """Up to `n` prefetched keys that no call has used and none protects, least key first."""
@@ -307,17 +255,6 @@ cdef class AgeCore:
         self.least_at[layer], self.least_len[layer] = 0, n
         self.more[layer] = found > n
         self.stale[layer] = 0
-
-    def tick(self, tokens: int) -> None:
-        cdef double halvings
-        self.tokens += tokens
-        halvings = <double> self.tokens / self.half_life - self.rescaled
-        if halvings > 64:  # rescale long before the weight overflows; the order is unchanged
-            self._rescale(pow(0.5, halvings))
-            self.rescaled += halvings
-            halvings = 0.0
-        self.weight = pow(2.0, halvings)
-        self._rates()
 
     cdef void _rates(self) noexcept:
         """Take the rates per age and the weight for the coming token: every best changes."""
