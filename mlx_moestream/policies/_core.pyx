@@ -32,6 +32,7 @@ cdef class KeyedCore:
     cdef double* _count
     cdef signed char* state  # 0: not resident, 1: prefetched, unused, 2: used
     cdef char* protected
+    cdef Py_ssize_t* call_keys  # `access`'s keys, checked (`_read_call`)
     cdef Py_ssize_t position  # layer of the current call: the one after the latest accessed
     cdef long long tokens
     cdef double rescaled  # halvings already applied to the counts, from 0
@@ -50,6 +51,7 @@ cdef class KeyedCore:
         self._count = <double*> self._held(self.count)
         self.state = <signed char*> self._held(np.zeros(num_keys, np.int8))
         self.protected = <char*> self._held(np.zeros(num_keys, np.int8))
+        self.call_keys = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
         self.half_life, self.weight = half_life, 1.0  # what one use adds now
         self.unused = []
         return -(-num_keys // experts)
@@ -67,6 +69,24 @@ cdef class KeyedCore:
         if k < 0 or k >= self.num_keys:
             raise IndexError(f"key {k} is outside [0, {self.num_keys})")
         return k
+
+    cdef Py_ssize_t _read_call(self, keys, new, list fresh) except -1:
+        """Read and check an `access`'s keys into `call_keys` and its `new` ones into `fresh`;
+        return how many keys it names. Every key is read once, before any change: a refused
+        call leaves no trace, and no code of the caller's objects runs after."""
+        cdef list items = [self._key(item) for item in keys]
+        cdef Py_ssize_t i, layer, n = len(items)
+        fresh += [self._key(item) for item in new]
+        if not 0 < n <= self.experts:
+            raise ValueError(f"a call names 1 to {self.experts} keys of one layer, got {n}")
+        for i in range(n):
+            self.call_keys[i] = <Py_ssize_t> items[i]
+        layer = self.call_keys[0] // self.experts
+        for i in range(1, n):
+            if self.call_keys[i] // self.experts != layer:  # a layer's places have no room
+                raise ValueError(f"a call's keys are of one layer: {self.call_keys[0]} and "
+                                 f"{self.call_keys[i]} are not")
+        return n
 
     def victims(self, Py_ssize_t n, protected) -> list:
         cdef Py_ssize_t key

@@ -28,7 +28,6 @@ cdef class AgeCore(KeyedCore):
     cdef double* by_age  # uses / offers as the current token started
     cdef long long* tally  # `access`'s scratch: keys per age
     cdef long long* tally_used
-    cdef Py_ssize_t* call_keys  # `access`'s keys, checked
     cdef Py_ssize_t resident  # keys not in state 0
     cdef double freq_share, per_token, rate_scale
 
@@ -51,7 +50,6 @@ cdef class AgeCore(KeyedCore):
         self.by_age = <double*> self._held(np.full(ages, 0.5))
         self.tally = <long long*> self._held(np.zeros(ages, np.int64))
         self.tally_used = <long long*> self._held(np.zeros(ages, np.int64))
-        self.call_keys = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
         self.freq_share, self.per_token, self.rate_scale = freq_share, per_token, per_token
         self.ages = ages
         self._ready(num_keys, experts, layers)
@@ -65,23 +63,12 @@ cdef class AgeCore(KeyedCore):
         return age if age < self.ages - 2 else self.ages - 2
 
     def access(self, keys, new=()) -> None:
-        # every key is read and checked once, before any change: a refused call leaves no trace
-        cdef list items = [self._key(item) for item in keys]
+        # `new` is checked only: every called key becomes used, fresh or not
+        cdef Py_ssize_t n = self._read_call(keys, new, [])
         cdef Py_ssize_t* called = self.call_keys
-        cdef Py_ssize_t i, key, layer, base, n = len(items), ages = self.ages
+        cdef Py_ssize_t i, key, ages = self.ages, layer = called[0] // self.experts, base
         cdef long long call
         cdef double weight = self.weight
-        for item in new:  # checked only: every called key becomes used, fresh or not
-            self._key(item)
-        if not 0 < n <= self.experts:
-            raise ValueError(f"a call names 1 to {self.experts} keys of one layer, got {n}")
-        for i in range(n):
-            called[i] = <Py_ssize_t> items[i]
-        layer = called[0] // self.experts
-        for i in range(1, n):
-            if called[i] // self.experts != layer:
-                raise ValueError(f"a call's keys are of one layer: {called[0]} and {called[i]} "
-                                 f"are not")
         base, call = layer * self.experts, self.calls[layer] + 1
         for i in range(ages):
             self.tally[i] = self.tally_used[i] = 0
@@ -155,6 +142,7 @@ cdef class AgeCore(KeyedCore):
             chosen += self._unused_victims(n)
         if len(chosen) < n:
             self._evict(n, chosen)
+        return 0
 
     cdef int _released(self, list marked) except -1:
         cdef Py_ssize_t key

@@ -30,7 +30,6 @@ cdef class CyclicCore(KeyedCore):
     cdef Py_ssize_t* heap_len
     cdef double* aside_count  # `_evict_least`'s scratch
     cdef Py_ssize_t* aside_key
-    cdef Py_ssize_t* call_keys  # `access`'s keys, checked
     cdef long long calls_made, calls, reused, used, offered  # all from 0
     cdef double group_weight, bonus_latest, bonus_old
     cdef double uses[2]
@@ -53,7 +52,6 @@ cdef class CyclicCore(KeyedCore):
         self.heap_len = <Py_ssize_t*> self._held(np.zeros(layers, np.intp))
         self.aside_count = <double*> self._held(np.empty(experts))
         self.aside_key = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
-        self.call_keys = <Py_ssize_t*> self._held(np.empty(experts, np.intp))
         self.group_weight = group_weight
         self._restart_rates()
         self._ready(num_keys, experts, layers)
@@ -65,23 +63,12 @@ cdef class CyclicCore(KeyedCore):
         self.chances[0] = self.chances[1] = 2.0
 
     def access(self, keys, new=()) -> None:
-        # every key is read and checked once, before any change: a refused call leaves no
-        # trace, and no code of the caller's objects runs once `call_keys` is written
-        cdef list items = [self._key(item) for item in keys]
-        cdef list fresh = [self._key(item) for item in new]
+        cdef list fresh = []
+        cdef Py_ssize_t n = self._read_call(keys, new, fresh)
         cdef Py_ssize_t* called = self.call_keys
-        cdef Py_ssize_t i, key, layer, base, m, n = len(items), reused = 0
+        cdef Py_ssize_t i, key, base, m, reused = 0, layer = called[0] // self.experts
         cdef long long call
         cdef double c, least = INF, weight = self.weight
-        if not 0 < n <= self.experts:
-            raise ValueError(f"a call names 1 to {self.experts} keys of one layer, got {n}")
-        for i in range(n):
-            called[i] = <Py_ssize_t> items[i]
-        layer = called[0] // self.experts
-        for i in range(1, n):
-            if called[i] // self.experts != layer:  # the layer's heap and list have no room
-                raise ValueError(f"a call's keys are of one layer: {called[0]} and {called[i]} "
-                                 f"are not")
         base, m = layer * self.experts, self.latest_len[layer]
         self.calls_made += 1
         call = self.calls_made
@@ -145,6 +132,7 @@ cdef class CyclicCore(KeyedCore):
             chosen += self._unused_victims(n)
         if len(chosen) < n:
             self._evict(n, chosen)
+        return 0
 
     cdef int _evict(self, Py_ssize_t n, list chosen) except -1:
         """Take victims, best layer first, until `chosen` holds `n`."""
