@@ -1,13 +1,17 @@
 """Eviction policies through the cache that owns residency: each ranks victims as documented."""
 
 import itertools
+import os
+import shutil
 import subprocess
 import sys
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import mlx_moestream
 from mlx_moestream.cache import ExpertCache, split_slots
 from mlx_moestream.policies import (
     DEFAULT_POLICY,
@@ -641,6 +645,20 @@ def test_the_program_says_in_one_line_that_the_compiled_policy_is_stale():
     assert done.stderr.startswith("mlx-moestream: ") and done.stderr.count("\n") == 1
     assert "_core.pyx and the files it includes are not the source" in done.stderr
     assert "pip install -e ." in done.stderr
+
+
+def test_the_program_says_in_one_line_that_the_compiled_policies_are_not_built(tmp_path):
+    """A checkout used without `pip install -e .`: the package has no compiled module."""
+    package = Path(mlx_moestream.__file__).parent
+    shutil.copytree(package, tmp_path / "mlx_moestream",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "assets", "__pycache__"))
+    run = ("import sys; from mlx_moestream.__main__ import main; "
+           "sys.argv = ['mlx-moestream', '--help']; main()")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True,
+                          cwd=tmp_path, env=os.environ | {"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 1
+    assert done.stderr == ("mlx-moestream: mlx_moestream's compiled part (_core.pyx) is not "
+                           "built: run `pip install -e .` in the checkout\n")
 
 
 def test_cyclic_below_one_token_of_experts_keeps_what_the_next_layers_use():

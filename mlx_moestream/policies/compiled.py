@@ -7,10 +7,12 @@ other policies work without a build.
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from . import sources
 
-try:
-    from . import _core as core
+try:  # `from . import _core` would raise a plain ImportError, as for a name the package lacks
+    core = import_module("._core", __package__)
 except ModuleNotFoundError:  # a checkout used as it is
     raise ImportError("mlx_moestream's compiled part (_core.pyx) is not built: run "
                       "`pip install -e .` in the checkout") from None
