@@ -10,7 +10,7 @@ pointers, every key the caller passes checked against `num_keys` first.
 
 import numpy as np
 
-from mlx_moestream.policies.base import all_in_use
+from mlx_moestream.policies.base import add_counts, all_in_use
 
 from libc.math cimport INFINITY, pow
 
@@ -23,7 +23,8 @@ cdef double INF = INFINITY
 
 
 cdef class KeyedCore:
-    """The per-key state, key checks, protected keys and token clock of a compiled policy."""
+    """The per-key state, key checks, protected keys, seeds and token clock of a compiled
+    policy."""
     cdef readonly Py_ssize_t experts, layers, num_keys
     cdef readonly object count  # decayed uses per key, times `weight` (float64)
     cdef readonly double weight
@@ -114,6 +115,10 @@ cdef class KeyedCore:
     cdef int _released(self, list marked) except -1:
         """The keys `marked` are no longer protected."""
         return 0
+
+    def seed(self, counts: dict) -> None:
+        add_counts(self.count, counts, self.weight)
+        self._rescale(1.0)  # every ordering of counts is built again
 
     def tick(self, tokens: int) -> None:
         cdef double halvings

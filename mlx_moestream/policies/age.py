@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .base import Policy, add_counts, check_blend, decay_per_token
+from .base import Policy, check_blend, decay_per_token
 from .compiled import core
 
 
@@ -33,7 +33,3 @@ class LayerAge(core.AgeCore, Policy, name="age"):
         ages = int(math.log2(4 * half_life)) + 2
         super().__init__(num_keys, num_experts or num_keys, half_life, freq_share,
                          decay_per_token(half_life), ages)
-
-    def seed(self, counts: dict[int, float]) -> None:
-        add_counts(self.count, counts, self.weight)
-        self._rescale(1.0)

@@ -161,7 +161,7 @@ def add_counts(count: np.ndarray, counts: dict[int, float], weight: float = 1.0)
 
 
 class ScoredCyclic(Policy):
-    """`cyclic`'s rule in numpy over a `p` a subclass predicts for every key (`markov`, `age`):
+    """`cyclic`'s rule in numpy over a `p` a subclass predicts for every key (`markov`):
     the victims are the keys of least `p / d`, prefetched keys that no call used first. A victim
     search reads every key, which suits replay."""
 

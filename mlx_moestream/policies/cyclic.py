@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Policy, add_counts, check_blend, decay_per_token
+from .base import Policy, check_blend, decay_per_token
 from .compiled import core
 
 
@@ -26,7 +26,3 @@ class LayerCyclic(core.CyclicCore, Policy, name="cyclic"):
         self.capacity = capacity
         group_weight = (1.0 - freq_share) / max(freq_share, 1e-9) / per_token
         super().__init__(num_keys, num_experts or num_keys, half_life, group_weight)
-
-    def seed(self, counts: dict[int, float]) -> None:
-        add_counts(self.count, counts, self.weight)
-        self._rescale(1.0)
